@@ -1,0 +1,37 @@
+"""Commit: keep only the accepted path in the KV cache.
+
+After a verify pass the cache holds prefix + q entries (every tree node).  The
+accepted nodes move to the slots right after the prefix and the rest is cut.
+Keys are cached after rotary embedding; an accepted node of depth d was computed
+at position prefix + d and lands in slot prefix + d, so nothing is re-rotated.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _layers(cache):
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError("This model's cache type has no per-layer tensors; REST needs a DynamicCache.")
+    return layers
+
+
+def compact_cache(cache, prefix_len: int, accepted_nodes: list[int]) -> None:
+    """Keep slots [0, prefix_len) and the accepted tree nodes, in path order."""
+    keep = len(accepted_nodes)
+    contiguous = accepted_nodes == list(range(keep))  # path along the first nodes: a crop suffices
+    idx = None
+    for layer in _layers(cache):
+        keys, values = layer.keys, layer.values  # (B, kv_heads, prefix_len + q, head_dim)
+        if not contiguous:
+            if idx is None or idx.device != keys.device:
+                idx = torch.tensor(accepted_nodes, device=keys.device) + prefix_len
+            keys[:, :, prefix_len:prefix_len + keep] = keys.index_select(2, idx)
+            values[:, :, prefix_len:prefix_len + keep] = values.index_select(2, idx)
+        layer.keys = keys[:, :, :prefix_len + keep]
+        layer.values = values[:, :, :prefix_len + keep]
+
+
+def cache_length(cache) -> int:
+    return cache.get_seq_length() if cache is not None else 0

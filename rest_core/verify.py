@@ -1,0 +1,61 @@
+"""Verification: which drafted tokens the model agrees with, and its bonus token.
+
+Greedy: from the root, descend into the child whose token is the model's argmax;
+when no child matches (or at a leaf) the argmax is the bonus token.  The result
+is exactly what one-token greedy decoding would have produced.
+
+Sampling (exact for a tree of point-mass drafts): at each visited node draw
+y ~ p, the same processed distribution plain sampling uses; descend if y is a
+child, else emit y.  This equals the multi-draft rejection rule (accept child
+c_i with probability r(c_i), else zero it and renormalise r; emit y ~ r when
+all are rejected): every token keeps probability p(y).  One draw per visited
+node, shared by all paths through it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .sampling import Sampling, draw_token, next_token_probs
+from .tree import DraftTree
+
+
+@dataclass
+class Verdict:
+    accepted_nodes: list[int]  # root first, then each accepted draft node
+    bonus_token: int
+    model_choices: list[int]  # per node: the verifier's token (drawn at visited nodes when sampling)
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """logits: (q, V) for the q tree nodes."""
+    choices = logits.argmax(dim=-1).tolist()
+    path = [0]
+    node = 0
+    while (child := tree.children[node].get(choices[node])) is not None:
+        path.append(child)
+        node = child
+    return Verdict(path, choices[node], choices)
+
+
+def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: Sampling, gen: torch.Generator,
+                    choices: Optional[list[int]] = None) -> Verdict:
+    choices = choices if choices is not None else logits.argmax(dim=-1).tolist()
+    path = [0]
+    node = 0
+    while True:
+        drawn = draw_token(next_token_probs(logits[node], cfg), gen)
+        choices[node] = drawn
+        child = tree.children[node].get(drawn)
+        if child is None:
+            return Verdict(path, drawn, choices)
+        path.append(child)
+        node = child
+
+
+def verify(tree: DraftTree, logits: torch.Tensor, cfg: Sampling, gen: Optional[torch.Generator]) -> Verdict:
+    if cfg.greedy:
+        return verify_greedy(tree, logits)
+    return verify_sampling(tree, logits, cfg, gen)

@@ -1,0 +1,67 @@
+"""Shared fixtures: a tiny randomly initialised model (fast, exact in fp32) and the default model."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+class TinyTokenizer:
+    """Just enough of a tokenizer for the decoder: ids <-> 't<id>' words."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int):
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.chat_template = None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(f"t{i}" for i in ids if not (skip_special_tokens and i == self.eos_token_id))
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(w[1:]) for w in text.split()]}
+
+
+def make_tiny_lm(vocab_size: int = 70_000, seed: int = 0, layers: int = 2, eos_token_id: int = 0,
+                 max_positions: int = 512):
+    """A LlamaConfig model with grouped-query attention and a vocabulary over 65,535 by default."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rest_core.model import LoadedModel
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         eos_token_id=eos_token_id, bos_token_id=1, pad_token_id=eos_token_id,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper logits than the default init, so greedy paths repeat and drafts get accepted
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config.eos_token_id = eos_token_id
+    return LoadedModel(model=model, tokenizer=TinyTokenizer(vocab_size, eos_token_id), name="tiny-random",
+                       source="random", device=torch.device("cpu"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    return make_tiny_lm()
+
+
+@pytest.fixture(scope="session")
+def default_lm():
+    from rest_core.model import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def default_store(default_lm):
+    from rest_core.stores import open_default_store
+
+    return open_default_store(default_lm.tokenizer)

@@ -1,0 +1,263 @@
+"""The decoder on a tiny random model: exact greedy, exact sampling, KV compaction, cuts, bad input."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import make_tiny_lm
+from oracle import BruteForceStore
+from rest_core.commit import compact_cache
+from rest_core.decode import DecodeConfig, PromptError, RestDecoder, plain_generate
+from rest_core.retrieve import RetrieveSettings
+from rest_core.sampling import Sampling
+from rest_core.tree import build_draft_tree, tree_mask, tree_positions
+
+PROMPTS = [[5, 9, 69_999, 3], [65_536, 65_537, 12], [2], list(range(100, 140))]
+
+
+def store_from_plain(lm, prompt, n, noise_seed=0):
+    """A store holding the plain continuation (so drafts hit) among random noise (so some miss)."""
+    plain = plain_generate(lm, prompt, DecodeConfig(max_new_tokens=n, stop_at_eos=False))
+    rng = np.random.default_rng(noise_seed)
+    noise = rng.integers(0, lm.model.config.vocab_size, size=200).tolist()
+    text = noise[:100] + list(prompt) + plain.tokens + noise[100:]
+    # a corrupted copy: right suffix, wrong continuation, to force rejected branches
+    wrong = list(prompt[-2:]) + [(t + 1) % lm.model.config.vocab_size for t in plain.tokens[:6]]
+    return plain, BruteForceStore(text + wrong)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_rest_equals_plain_greedy(tiny_lm, prompt):
+    plain, store = store_from_plain(tiny_lm, prompt, 40)
+    cfg = DecodeConfig(max_new_tokens=40, draft_budget=12, stop_at_eos=False)
+    rest = RestDecoder(tiny_lm, static_store=store, use_request_store=True).generate(prompt, cfg)
+    assert rest.tokens == plain.tokens
+    assert rest.steps < plain.steps  # drafts were really accepted
+    # every step adds a bonus token, except a last step cut at max_new_tokens
+    assert len(rest.tokens) - rest.steps <= rest.accepted_drafts <= len(rest.tokens) - rest.steps + 1
+
+
+def test_greedy_with_only_wrong_drafts_still_exact(tiny_lm):
+    prompt = PROMPTS[0]
+    plain = plain_generate(tiny_lm, prompt, DecodeConfig(max_new_tokens=20, stop_at_eos=False))
+    rng = np.random.default_rng(1)
+    store = BruteForceStore(rng.integers(0, 50, size=3000).tolist() + prompt[-2:] + [1, 2, 3, 4])
+    rest = RestDecoder(tiny_lm, static_store=store, use_request_store=False).generate(
+        prompt, DecodeConfig(max_new_tokens=20, draft_budget=8, stop_at_eos=False))
+    assert rest.tokens == plain.tokens
+
+
+def test_no_match_is_an_ordinary_one_token_step(tiny_lm):
+    traces = []
+    dec = RestDecoder(tiny_lm, static_store=BruteForceStore([1, 2, 3]), use_request_store=False)
+    res = dec.generate([40, 41], DecodeConfig(max_new_tokens=3, draft_budget=8, stop_at_eos=False),
+                       hook=traces.append)
+    assert res.no_draft_steps == res.steps == 3
+    assert all(len(t.tree_tokens) == 1 and t.mask.shape[-2] == 1 for t in traces)
+
+
+def test_trace_reports_exactly_what_the_model_saw(tiny_lm):
+    prompt = PROMPTS[1]
+    plain, store = store_from_plain(tiny_lm, prompt, 24)
+    traces = []
+    res = RestDecoder(tiny_lm, static_store=store).generate(
+        prompt, DecodeConfig(max_new_tokens=24, draft_budget=10, stop_at_eos=False), hook=traces.append)
+    assert [t for tr in traces for t in tr.new_tokens] == res.tokens == plain.tokens
+    for tr in traces:
+        q = len(tr.tree_tokens)
+        assert tr.mask.shape == (1, 1, q, tr.prefix_len + q)
+        assert tr.position_ids == [tr.prefix_len + d for d in tr.tree_depths]
+        path_tokens = [tr.tree_tokens[n] for n in tr.accepted_nodes[1:]] + [tr.bonus_token]
+        assert path_tokens[: len(tr.new_tokens)] == tr.new_tokens
+        # greedy: each accepted node is the model's choice at its parent
+        for parent, child in zip(tr.accepted_nodes, tr.accepted_nodes[1:]):
+            assert tr.model_choices[parent] == tr.tree_tokens[child]
+        assert tr.model_choices[tr.accepted_nodes[-1]] == tr.bonus_token
+        assert set(tr.timings_ms) == {"retrieve", "tree", "forward", "verify", "commit"}
+    assert sum(tr.draft_size > 0 for tr in traces) > 0
+
+
+def test_kv_compaction_equals_recomputation(tiny_lm):
+    """Verify a branching tree, keep a path that is not the first nodes, compare with a fresh prefill."""
+    from oracle import OracleLookup
+
+    model = tiny_lm.model
+    prefix = [7, 8, 9, 10, 11]
+    rows = np.array([[20, 21, 22], [30, 31, 32], [30, 33, 34], [20, 23, -1]])
+    tree = build_draft_tree(12, [OracleLookup("static", 2, 4, rows)], budget=20)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        tiny_lm.forward(input_ids=torch.tensor([prefix]), cache=cache)
+        tiny_lm.forward(input_ids=torch.from_numpy(tree.tokens)[None],
+                        position_ids=tree_positions(tree, len(prefix), torch.device("cpu")),
+                        attention_mask=tree_mask(tree, len(prefix), torch.float32, torch.device("cpu")), cache=cache)
+        n30 = tree.children[0][30]
+        n33 = tree.children[n30][33]
+        path = [0, n30, n33]
+        assert path != list(range(3))
+        compact_cache(cache, len(prefix), path)
+        fresh = DynamicCache(config=model.config)
+        tiny_lm.forward(input_ids=torch.tensor([prefix + [12, 30, 33]]), cache=fresh)
+    assert cache.get_seq_length() == fresh.get_seq_length() == len(prefix) + 3
+    for got, want in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-4)
+
+
+def test_eos_and_max_new_tokens_cut_the_accepted_path(tiny_lm):
+    prompt = PROMPTS[0]
+    plain = plain_generate(tiny_lm, prompt, DecodeConfig(max_new_tokens=30, stop_at_eos=False))
+    eos = plain.tokens[7]  # pretend the 8th token is EOS
+    lm = make_tiny_lm(eos_token_id=eos)
+    store = BruteForceStore(list(prompt) + plain.tokens)
+    res = RestDecoder(lm, static_store=store).generate(prompt, DecodeConfig(max_new_tokens=30, draft_budget=16))
+    first = plain.tokens.index(eos)
+    assert res.tokens == plain.tokens[: first + 1] and res.stop_reason == "eos"
+    res = RestDecoder(tiny_lm, static_store=store).generate(
+        prompt, DecodeConfig(max_new_tokens=5, draft_budget=16, stop_at_eos=False))
+    assert res.tokens == plain.tokens[:5] and res.stop_reason == "length"
+
+
+def test_same_seed_gives_the_same_sample_as_plain_sampling(tiny_lm):
+    sampling = Sampling(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    prompt = PROMPTS[0]
+    plain = plain_generate(tiny_lm, prompt, DecodeConfig(max_new_tokens=30, sampling=sampling, stop_at_eos=False))
+    store = BruteForceStore(list(prompt) + plain.tokens)
+    rest = RestDecoder(tiny_lm, static_store=store).generate(
+        prompt, DecodeConfig(max_new_tokens=30, sampling=sampling, draft_budget=8, stop_at_eos=False))
+    assert rest.tokens == plain.tokens
+    assert rest.steps < plain.steps
+
+
+# -- exact sampling: the distribution of REST samples equals plain sampling's -----------------------------
+
+def _exact_sequence_probs(lm, prompt, sampling, length, vocab):
+    from rest_core.sampling import next_token_probs
+
+    probs = {}
+    with torch.inference_mode():
+        for seq in itertools.product(range(vocab), repeat=length):
+            p = 1.0
+            for i in range(length):
+                logits = lm.model(input_ids=torch.tensor([list(prompt) + list(seq[:i])])).logits[0, -1]
+                p *= float(next_token_probs(logits, sampling)[seq[i]])
+                if p == 0.0:
+                    break
+            probs[seq] = p
+    return probs
+
+
+def _chi_square_p(observed: dict, expected_probs: dict, n: int) -> float:
+    from scipy.stats import chi2
+
+    cells = sorted(expected_probs, key=lambda s: -expected_probs[s])
+    stat, dof, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
+    for seq in cells:  # pool cells with expected count < 5 into one
+        e = expected_probs[seq] * n
+        if e >= 5:
+            stat += (observed.get(seq, 0) - e) ** 2 / e
+            dof += 1
+        else:
+            pooled_obs += observed.get(seq, 0)
+            pooled_exp += e
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        dof += 1
+    return float(chi2.sf(stat, dof - 1))
+
+
+def _sample_many(lm, prompt, sampling, store, runs, length):
+    counts = {}
+    dec = RestDecoder(lm, static_store=store, use_request_store=False)
+    for seed in range(runs):
+        cfg = DecodeConfig(max_new_tokens=length, draft_budget=6, stop_at_eos=False,
+                           sampling=Sampling(sampling.temperature, sampling.top_k, sampling.top_p, seed),
+                           retrieve=RetrieveSettings(n_max=4, n_min=1))
+        seq = tuple(dec.generate(prompt, cfg).tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+SMALL = dict(vocab_size=5, layers=1, eos_token_id=4)
+
+
+def test_rest_sampling_matches_plain_distribution():
+    lm = make_tiny_lm(seed=3, **SMALL)
+    with torch.no_grad():
+        lm.model.lm_head.weight.mul_(0.25)  # a spread-out distribution: every branch matters
+    prompt = [1, 2]
+    sampling = Sampling(temperature=0.9, top_p=0.95)
+    expected = _exact_sequence_probs(lm, prompt, sampling, 3, 5)
+    store = BruteForceStore([1, 2, 0, 1, 2, 1, 2, 3, 0, 0, 1, 2, 2, 2, 3, 2, 0, 1])  # branching drafts
+    runs = 1500
+    observed = _sample_many(lm, prompt, sampling, store, runs, 3)
+    assert _chi_square_p(observed, expected, runs) > 1e-3
+
+
+def test_the_chi_square_check_catches_the_biased_reference_rule(monkeypatch):
+    """Sampling each child independently and re-drawing fresh on rejection favours drafted tokens."""
+    import rest_core.verify as verify_mod
+    from rest_core.sampling import draw_token, next_token_probs
+
+    def biased(tree, logits, cfg, gen, choices=None):
+        choices = logits.argmax(-1).tolist()
+        path, node = [0], 0
+        while True:
+            probs = next_token_probs(logits[node], cfg)
+            accepted = None
+            for token, child in tree.children[node].items():  # accept each child with p(child), in turn
+                if torch.rand((), generator=gen).item() < float(probs[token]):
+                    accepted = child
+                    break
+            if accepted is None:
+                return verify_mod.Verdict(path, draw_token(probs, gen), choices)  # fresh draw: the bias
+            path.append(accepted)
+            node = accepted
+
+    lm = make_tiny_lm(seed=3, **SMALL)
+    with torch.no_grad():
+        lm.model.lm_head.weight.mul_(0.25)
+    prompt = [1, 2]
+    sampling = Sampling(temperature=0.9, top_p=0.95)
+    expected = _exact_sequence_probs(lm, prompt, sampling, 3, 5)
+    store = BruteForceStore([1, 2, 0, 1, 2, 1, 2, 3, 0, 0, 1, 2, 2, 2, 3, 2, 0, 1])
+    monkeypatch.setattr(verify_mod, "verify_sampling", biased)
+    observed = _sample_many(lm, prompt, sampling, store, 800, 3)
+    assert _chi_square_p(observed, expected, 800) < 1e-3
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+
+def test_empty_and_too_long_prompts_are_refused_clearly(tiny_lm):
+    dec = RestDecoder(tiny_lm, use_request_store=False)
+    with pytest.raises(PromptError, match="empty"):
+        dec.generate([], DecodeConfig())
+    with pytest.raises(PromptError, match="shorten"):
+        dec.generate([3] * 600, DecodeConfig())
+    with pytest.raises(PromptError, match="empty"):
+        plain_generate(tiny_lm, [], DecodeConfig())
+    with pytest.raises(PromptError, match="vocabulary"):
+        dec.generate([1, 70_000], DecodeConfig())
+
+
+@pytest.mark.parametrize("cfg,message", [
+    (DecodeConfig(max_new_tokens=0), "max_new_tokens"),
+    (DecodeConfig(sampling=Sampling(temperature=-1)), "temperature"),
+    (DecodeConfig(sampling=Sampling(temperature=1, top_p=0)), "top_p"),
+    (DecodeConfig(sampling=Sampling(temperature=1, top_k=-3)), "top_k"),
+    (DecodeConfig(retrieve=RetrieveSettings(n_max=2, n_min=5)), "n_min"),
+    (DecodeConfig(draft_budget=-1), "draft_budget"),
+])
+def test_wrong_settings_are_refused_clearly(tiny_lm, cfg, message):
+    with pytest.raises(ValueError, match=message):
+        RestDecoder(tiny_lm, use_request_store=False).generate([1, 2], cfg)
+
+
+def test_generation_near_the_context_limit_stops_cleanly(tiny_lm):
+    res = RestDecoder(tiny_lm, use_request_store=False).generate([3] * 508, DecodeConfig(max_new_tokens=50,
+                                                                                          stop_at_eos=False))
+    assert len(res.tokens) == 4 and res.stop_reason == "context"

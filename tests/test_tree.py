@@ -1,0 +1,145 @@
+"""Draft tree and tree mask: checked against a brute-force trie and the ancestor relation."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+from hypothesis import given, settings, strategies as st
+
+from oracle import OracleLookup
+from rest_core.tree import ancestor_matrix, build_draft_tree, tree_mask, tree_positions
+
+SOURCES = ("static", "request", "history")
+
+
+@st.composite
+def lookups_strategy(draw):
+    out = []
+    for source in draw(st.lists(st.sampled_from(SOURCES), min_size=1, max_size=3, unique=True)):
+        k = draw(st.integers(1, 30))
+        width = draw(st.integers(1, 6))
+        rows = []
+        for _ in range(k):
+            length = draw(st.integers(1, width))
+            toks = draw(st.lists(st.integers(0, 4), min_size=length, max_size=length))
+            # large ids too: vocabularies over 65,535
+            toks = [t if t < 4 else 70_000 + t for t in toks]
+            rows.append(toks + [-1] * (width - length))
+        out.append(OracleLookup(source, draw(st.integers(1, 8)), k, np.array(rows, dtype=np.int64)))
+    return out
+
+
+def brute_force_prefix_scores(lookups, weights=None):
+    """Every prefix of every continuation with its merged weight, from a dict-of-prefixes trie."""
+    weights = weights or {}
+    score = defaultdict(float)
+    counts = defaultdict(lambda: defaultdict(int))
+    units = {}
+    for lk in lookups:
+        units[lk.source] = weights.get(lk.source, 1.0) * lk.matched_len / lk.continuations.shape[0]
+        for row in lk.continuations.tolist():
+            toks = [t for t in row if t >= 0]
+            for d in range(1, len(toks) + 1):
+                counts[tuple(toks[:d])][lk.source] += 1
+    for prefix, by_src in counts.items():
+        score[prefix] = sum(units[s] * c for s, c in by_src.items())
+    return score
+
+
+def tree_prefixes(tree):
+    out = []
+    for node in range(1, len(tree)):
+        path, n = [], node
+        while n > 0:
+            path.append(int(tree.tokens[n]))
+            n = int(tree.parents[n])
+        out.append(tuple(reversed(path)))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(lookups=lookups_strategy(), budget=st.integers(0, 40))
+def test_tree_is_top_budget_prefixes_and_a_tree(lookups, budget):
+    tree = build_draft_tree(7, lookups, budget)
+    scores = brute_force_prefix_scores(lookups)
+    kept = tree_prefixes(tree)
+    assert tree.tokens[0] == 7 and tree.parents[0] == -1 and tree.depths[0] == 0
+    assert len(kept) == min(budget, len(scores))
+    assert len(set(kept)) == len(kept)
+    # parents come first, depths are consistent, flattened by depth
+    for i in range(1, len(tree)):
+        assert 0 <= tree.parents[i] < i
+        assert tree.depths[i] == tree.depths[tree.parents[i]] + 1
+    assert list(tree.depths) == sorted(tree.depths)
+    # the kept prefixes are exactly the best ones: nothing left out scores higher than anything kept
+    if kept:
+        worst_kept = min(scores[p] for p in kept)
+        left_out = [p for p in scores if p not in set(kept)]
+        assert all(scores[p] <= worst_kept + 1e-12 for p in left_out)
+        for p, s in zip(kept, tree.scores[1:]):
+            assert abs(scores[p] - s) < 1e-9
+    # children index agrees with parents
+    for node in range(1, len(tree)):
+        assert tree.children[int(tree.parents[node])][int(tree.tokens[node])] == node
+
+
+@settings(max_examples=100, deadline=None)
+@given(lookups=lookups_strategy(), budget=st.integers(1, 30), prefix_len=st.integers(0, 12))
+def test_mask_node_sees_prefix_itself_and_ancestors_only(lookups, budget, prefix_len):
+    tree = build_draft_tree(3, lookups, budget)
+    mask = tree_mask(tree, prefix_len, torch.float32, torch.device("cpu"))
+    q = len(tree)
+    assert mask.shape == (1, 1, q, prefix_len + q) and mask.dtype == torch.float32
+    allowed = mask[0, 0] == 0
+    blocked = mask[0, 0] == torch.finfo(torch.float32).min
+    assert bool((allowed | blocked).all())
+    assert bool(allowed[:, :prefix_len].all())
+    for i in range(q):
+        ancestors = {i}
+        n = i
+        while tree.parents[n] >= 0:
+            n = int(tree.parents[n])
+            ancestors.add(n)
+        for j in range(q):
+            assert bool(allowed[i, prefix_len + j]) == (j in ancestors)
+    pos = tree_positions(tree, prefix_len, torch.device("cpu"))
+    assert pos.tolist() == [[prefix_len + int(d) for d in tree.depths]]
+    assert ancestor_matrix(tree).sum() == sum(int(d) + 1 for d in tree.depths)
+
+
+def test_no_continuations_gives_the_root_alone():
+    empty = OracleLookup("static", 0, 0, np.zeros((0, 10), dtype=np.int64))
+    tree = build_draft_tree(5, [empty], 64)
+    assert len(tree) == 1 and tree.draft_size == 0
+
+
+def test_longer_dynamic_match_outweighs_static_majority():
+    # static: 10 rows of A at a 2-token match; request: one row of B at an 8-token match
+    static = OracleLookup("static", 2, 10, np.array([[11, 12]] * 10))
+    request = OracleLookup("request", 8, 1, np.array([[21, 22]]))
+    tree = build_draft_tree(1, [static, request], budget=2)
+    assert tree_prefixes(tree) == [(21,), (21, 22)]  # weight 8 (matched length) against 2
+    tree = build_draft_tree(1, [static, request], budget=3)
+    assert tree.scores[tree.children[0][21]] == 4 * tree.scores[tree.children[0][11]]
+    assert tree.sources[tree.children[0][21]] == "request"
+
+
+def test_ties_are_broken_deterministically():
+    rows = np.array([[5, 1], [4, 1], [6, 1]])
+    a = build_draft_tree(0, [OracleLookup("static", 3, 3, rows)], budget=2)
+    b = build_draft_tree(0, [OracleLookup("static", 3, 3, rows[::-1].copy())], budget=2)
+    assert tree_prefixes(a) == tree_prefixes(b) == [(4,), (5,)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(lookups=lookups_strategy(), big=st.integers(1, 40), small=st.integers(0, 40))
+def test_pruning_a_tree_equals_building_it_with_the_smaller_budget(lookups, big, small):
+    from rest_core.tree import prune_tree
+
+    small = min(small, big)
+    pruned = prune_tree(build_draft_tree(9, lookups, big), small)
+    direct = build_draft_tree(9, lookups, small)
+    assert pruned.tokens.tolist() == direct.tokens.tolist()
+    assert pruned.parents.tolist() == direct.parents.tolist()
+    assert pruned.children == direct.children
