@@ -130,7 +130,7 @@ def cmd_generate(args) -> int:
         result = decoder.generate(prompt, cfg, hook=hook)
     except BaseException as err:
         if recorder is not None:
-            recorder.finish_run(run_id, output="", new_tokens=0, steps=0, wall_s=0.0, mean_accepted=0.0,
+            recorder.finish_run(run_id, output="", new_tokens=None, steps=None, wall_s=None, mean_accepted=None,
                                 status="stopped" if isinstance(err, KeyboardInterrupt) else "failed",
                                 error=f"{type(err).__name__}: {err}")
         raise

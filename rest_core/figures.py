@@ -1,0 +1,353 @@
+"""Figures of recorded REST runs: pure functions from stored rows to plotly figures.
+
+Inputs are the dicts `TraceRecorder.load_step` (one step: its nodes, branches and
+`mask_block`) and `TraceRecorder.load_steps` (every step row of a run) return, and
+the run dict of `get_run`.  No model or tokenizer is needed: token texts were
+stored when the step was recorded.
+
+Palette: Okabe-Ito (safe for the common colour-vision deficiencies); fonts sized
+for a projector.
+"""
+from __future__ import annotations
+
+import html
+from collections import Counter
+from itertools import accumulate
+from typing import Optional, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from rest_core.trace import PHASES, SOURCES
+
+BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
+    "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#7F7F7F")
+SOURCE_COLOURS = {"static": BLUE, "request": ORANGE, "history": GREEN, "": GREY}
+PHASE_COLOURS = dict(zip(PHASES, (BLUE, ORANGE, SKY, GREEN, PURPLE)))
+ACCEPTED = VERMILLION  # the accepted path
+MODEL = PURPLE  # tokens the model produced itself (bonus)
+FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=16, color="#222")
+
+
+def show_token(text: str) -> str:
+    """A token's text made visible: spaces, newlines and tabs get a glyph."""
+    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍") or "∅"
+
+
+def _label(text: str) -> str:
+    """Token text safe inside plotly's HTML-like labels."""
+    return html.escape(show_token(text))
+
+
+def _style(fig: go.Figure, title: str, **layout) -> go.Figure:
+    fig.update_layout(title=dict(text=title, font=dict(size=22), x=0.01, xanchor="left"), font=FONT,
+                      template="plotly_white", hoverlabel=dict(font_size=15), **layout)
+    return fig
+
+
+# ------------------------------------------------------------------ draft tree
+
+def tree_layout(parents: Sequence[int]) -> list[float]:
+    """y of every node in a tidy layout: leaves on consecutive rows in depth-first
+    order, each parent centred on its first and last child (parents[i] < i)."""
+    n = len(parents)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parents[i]].append(i)
+    y = [0.0] * n
+    row, stack = 0, [0] if n else []
+    while stack:  # depth-first, children in index order
+        i = stack.pop()
+        if not children[i]:
+            y[i], row = float(row), row + 1
+        stack.extend(reversed(children[i]))
+    for i in reversed(range(n)):  # children have larger indices than their parent
+        if children[i]:
+            y[i] = (y[children[i][0]] + y[children[i][-1]]) / 2
+    return y
+
+
+def disagreement(step: dict) -> tuple[int, list[str], str]:
+    """(last accepted node, texts of its drafted children, the model's token there)."""
+    nodes = step["nodes"]
+    last = [n["node"] for n in nodes if n["accepted"]][-1]
+    drafted = [n["token_text"] for n in nodes if n["parent"] == last]
+    return last, drafted, nodes[last]["model_choice_text"]
+
+
+def draft_tree_figure(step: dict) -> go.Figure:
+    """The draft tree of one step: depth left to right, the accepted path in
+    vermillion, node size by retrieval score, colour by source, and at the last
+    accepted node what the draft offered against what the model chose."""
+    nodes = step["nodes"]
+    parents = [n["parent"] for n in nodes]
+    y = tree_layout(parents)
+    x = [n["depth"] for n in nodes]
+    path = [n["node"] for n in nodes if n["accepted"]]
+    last, drafted, model_text = disagreement(step)
+    fig = go.Figure()
+
+    ex, ey = [], []
+    for i in range(1, len(nodes)):
+        ex += [x[parents[i]], x[i], None]
+        ey += [y[parents[i]], y[i], None]
+    fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="#BBBBBB", width=1.5),
+                             hoverinfo="skip", name="draft edges", showlegend=False))
+    fig.add_trace(go.Scatter(x=[x[i] for i in path], y=[y[i] for i in path], customdata=path,
+                             mode="lines", line=dict(color=ACCEPTED, width=6), hoverinfo="skip",
+                             name="accepted path"))
+
+    top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
+    for source in ["", *SOURCES, *sorted({n["source"] for n in nodes} - set(SOURCES) - {""})]:
+        members = [n for n in nodes if n["source"] == source]
+        if not members:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[x[n["node"]] for n in members], y=[y[n["node"]] for n in members],
+            customdata=[n["node"] for n in members], mode="markers+text",
+            text=[_label(n["token_text"]) for n in members], textposition="middle right",
+            textfont=dict(size=15, color=[ACCEPTED if n["accepted"] else "#222" for n in members]),
+            marker=dict(color=SOURCE_COLOURS.get(source, YELLOW),
+                        size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
+                              for n in members],
+                        line=dict(color=[MODEL if n["node"] == last else ACCEPTED if n["accepted"] else "white"
+                                         for n in members],
+                                  width=[4 if n["accepted"] else 1 for n in members])),
+            hovertext=[_node_hover(n) for n in members], hoverinfo="text",
+            name="root (last committed token)" if source == "" else f"drafted by {source}",
+        ))
+
+    bonus_y = max(y) + 1  # a row of its own: the model's token is not part of the draft
+    fig.add_trace(go.Scatter(x=[x[last], x[last] + 1], y=[y[last], bonus_y], mode="lines",
+                             line=dict(color=MODEL, width=3, dash="dash"), hoverinfo="skip", showlegend=False,
+                             name="model's choice"))
+    fig.add_trace(go.Scatter(
+        x=[x[last] + 1], y=[bonus_y], mode="markers+text", text=[_label(step["bonus_text"])],
+        textposition="middle right", textfont=dict(size=15, color=MODEL),
+        marker=dict(symbol="star", size=24, color=MODEL), name="bonus token (the model's own)",
+        hovertext=[f"bonus token {_label(step['bonus_text'])} (id {step['bonus_token']})<br>"
+                   "produced by the verifying forward pass after the last accepted node"],
+        hoverinfo="text"))
+    if drafted:
+        note = f"draft: {', '.join(_label(t) for t in drafted)}, model: {_label(model_text)}"
+    elif len(nodes) == 1:
+        note = f"no draft this step, model: {_label(model_text)}"
+    else:
+        note = f"draft ends here (leaf), model: {_label(model_text)}"
+    fig.add_annotation(x=x[last] + 1, y=bonus_y, text=note, showarrow=False, xanchor="left", yanchor="top",
+                       yshift=-16, font=dict(size=16, color=MODEL), bgcolor="rgba(255,255,255,0.9)",
+                       bordercolor=MODEL, name="disagreement")
+    n_leaves = len(nodes) - len(set(parents) - {-1})
+    accepted = len(path) - 1
+    return _style(
+        fig, f"Step {step['step']}: {len(nodes) - 1} draft tokens, {accepted} accepted + 1 from the model",
+        height=max(420, 30 * (n_leaves + 2) + 160), showlegend=True,
+        legend=dict(orientation="h", y=-0.12, x=0),
+        xaxis=dict(title="depth in the draft tree (0 = last committed token)", dtick=1, zeroline=False,
+                   range=[-0.4, max(x) + 2.2]),
+        yaxis=dict(visible=False, range=[bonus_y + 1.2, -0.8]),  # first leaf on top
+        margin=dict(l=30, r=30, t=80, b=110))
+
+
+def _node_hover(n: dict) -> str:
+    if n["node"] == 0:
+        head = f"root: last committed token {_label(n['token_text'])} (id {n['token_id']})"
+        score = f"total retrieval weight {n['score']:g}"
+    else:
+        head = f"node {n['node']}, depth {n['depth']}: {_label(n['token_text'])} (id {n['token_id']})"
+        score = f"retrieval score {n['score']:g}, mostly from the {n['source']} store"
+    verdict = "on the accepted path" if n["accepted"] else (
+        "matches the model's choice at its parent" if n["chosen"] else "not what the model chose")
+    return (f"{head}<br>{score}<br>{verdict}<br>the model's choice after it: "
+            f"{_label(n['model_choice_text'])}")
+
+
+# ------------------------------------------------------------------ tree mask
+
+def ancestry_block(parents: Sequence[int]) -> np.ndarray:
+    """The tree block a correct mask has: node i sees itself and its ancestors."""
+    n = len(parents)
+    block = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        block[i, i] = True
+        if parents[i] >= 0:
+            block[i] |= block[parents[i]]  # parents[i] < i: its row is complete
+    return block
+
+
+def mask_heatmap(step: dict, show_prefix: bool = True) -> go.Figure:
+    """The tree block of the attention mask the model received (row = query node,
+    column = key node), labelled with node tokens; an extra column stands for the
+    prefix, which every node sees whole."""
+    block = np.asarray(step["mask_block"], dtype=bool)
+    nodes = step["nodes"]
+    labels = [f"{n['node']} {_label(n['token_text'])}" for n in nodes]
+    hover = [[f"query {labels[r]} → key {labels[c]}: {'may attend' if block[r, c] else 'blocked'}"
+              for c in range(len(nodes))] for r in range(len(nodes))]
+    scale = [[0, "#EEEEEE"], [0.5, "#EEEEEE"], [0.5, BLUE], [1, BLUE]]
+    fig = go.Figure()
+    if show_prefix:
+        prefix = f"prefix ({step['prefix_len']} tokens)"
+        fig.add_trace(go.Heatmap(z=[[1] for _ in nodes], x=[prefix], y=labels, zmin=0, zmax=1, colorscale=scale,
+                                 showscale=False, name="prefix", xgap=1, ygap=1, hoverinfo="text",
+                                 hovertext=[[f"query {lab} sees all {step['prefix_len']} prefix tokens"]
+                                            for lab in labels]))
+    fig.add_trace(go.Heatmap(
+        z=block.astype(int).tolist(), x=labels, y=labels, zmin=0, zmax=1, colorscale=scale, xgap=1, ygap=1,
+        name="tree mask", hovertext=hover, hoverinfo="text",
+        colorbar=dict(tickvals=[0.25, 0.75], ticktext=["blocked", "may attend"], len=0.4, thickness=18)))
+    wrong = int((block != ancestry_block([n["parent"] for n in nodes])).sum())
+    note = ("each node sees the whole prefix, itself and its ancestors" if not wrong else
+            f"⚠ {wrong} cells differ from the draft tree's ancestry")
+    fig.add_annotation(text=note, xref="paper", yref="paper", x=0, y=1.0, yanchor="bottom", showarrow=False,
+                       font=dict(size=15, color=VERMILLION if wrong else "#444"))
+    side = max(480, 22 * len(nodes) + 260)
+    return _style(fig, f"Step {step['step']}: tree attention mask ({len(nodes)} query tokens, "
+                       f"dtype {step.get('mask_dtype', '?')})",
+                  width=side + 120, height=side,
+                  xaxis=dict(title="key: prefix, then tree nodes", tickangle=-60, tickfont=dict(size=12),
+                             side="bottom", type="category"),
+                  yaxis=dict(title="query node", autorange="reversed", tickfont=dict(size=12), type="category"),
+                  margin=dict(l=140, r=30, t=100, b=140))
+
+
+# ------------------------------------------------------------------ a run's steps
+
+def step_counts(step: dict) -> tuple[int, int]:
+    """(accepted draft tokens, model tokens) among the tokens a step committed
+    (an EOS or length cut can drop some of either)."""
+    committed = len(step["new_tokens"])
+    drafted = min(step["accepted_len"], committed)
+    return drafted, committed - drafted
+
+
+def speed_figure(steps: Sequence[dict], run: Optional[dict] = None) -> go.Figure:
+    """Tokens per forward pass against plain decoding's one, per step and in total,
+    and tokens per second against plain decoding when the run was compared."""
+    run = run or {}
+    compared = run.get("plain_tokens_per_s") is not None and run.get("wall_s")
+    titles = ["tokens produced vs forward passes", "tokens committed per step"] + (
+        ["tokens per second"] if compared else [])
+    fig = make_subplots(rows=1, cols=len(titles), subplot_titles=titles,
+                        column_widths=[0.4, 0.4, 0.2][:len(titles)], horizontal_spacing=0.08)
+    passes = list(range(1, len(steps) + 1))
+    total = list(accumulate(len(s["new_tokens"]) for s in steps))
+    fig.add_trace(go.Scatter(x=passes, y=total, mode="lines+markers", name="REST", line=dict(color=BLUE, width=4),
+                             hovertemplate="after %{x} forward passes: %{y} tokens<extra>REST</extra>"), 1, 1)
+    fig.add_trace(go.Scatter(x=[0] + passes, y=[0] + passes, mode="lines", name="plain decoding: 1 token per pass",
+                             line=dict(color=GREY, width=3, dash="dash"),
+                             hovertemplate="%{x} passes: %{y} tokens<extra>plain</extra>"), 1, 1)
+    counts = [step_counts(s) for s in steps]
+    x = [s["step"] for s in steps]
+    fig.add_trace(go.Bar(x=x, y=[c[0] for c in counts], name="accepted draft tokens", marker_color=ACCEPTED,
+                         hovertemplate="step %{x}: %{y} accepted draft tokens<extra></extra>"), 1, 2)
+    fig.add_trace(go.Bar(x=x, y=[c[1] for c in counts], name="token from the model (bonus)", marker_color=MODEL,
+                         hovertemplate="step %{x}: %{y} from the model<extra></extra>"), 1, 2)
+    if compared:
+        rest = (run.get("new_tokens") or (total[-1] if total else 0)) / run["wall_s"]
+        plain = run["plain_tokens_per_s"]
+        same = {1: "identical output", 0: "output differs"}.get(run.get("identical"), "")
+        speedup = run["speedup"] if run.get("speedup") is not None else rest / plain
+        fig.add_trace(go.Bar(x=["plain", "REST"], y=[plain, rest], marker_color=[GREY, BLUE], showlegend=False,
+                             text=[f"{plain:.1f}", f"{rest:.1f}"], textposition="outside", name="tokens per second",
+                             hovertemplate="%{x}: %{y:.2f} tokens/s<extra></extra>"), 1, 3)
+        fig.layout.annotations[2].text = f"tokens per second ({speedup:.2f}×{', ' + same if same else ''})"
+        fig.update_yaxes(title_text="tokens / s", row=1, col=3)
+    per_pass = total[-1] / len(steps) if steps else 0.0
+    fig.update_xaxes(title_text="forward passes", row=1, col=1)
+    fig.update_yaxes(title_text="tokens produced", row=1, col=1)
+    fig.update_xaxes(title_text="step", row=1, col=2)
+    fig.update_yaxes(title_text="tokens", row=1, col=2)
+    fig.update_annotations(font_size=18)
+    return _style(fig, f"Speed: {total[-1] if total else 0} tokens in {len(steps)} forward passes "
+                       f"({per_pass:.2f} tokens per pass)", barmode="stack", height=520,
+                  legend=dict(orientation="h", y=-0.2, x=0), margin=dict(t=110, b=130))
+
+
+def acceptance_histogram(steps: Sequence[dict]) -> go.Figure:
+    """How many draft tokens each step accepted (the bonus token not counted)."""
+    accepted = [s["accepted_len"] for s in steps]
+    counts = Counter(accepted)
+    xs = list(range(max(accepted, default=0) + 1))
+    ys = [counts.get(k, 0) for k in xs]
+    mean = sum(accepted) / len(accepted) if accepted else 0.0
+    fig = go.Figure(go.Bar(x=xs, y=ys, marker_color=ACCEPTED, text=ys, textposition="outside",
+                           name="steps", hovertemplate="%{y} steps accepted %{x} draft tokens<extra></extra>"))
+    fig.add_vline(x=mean, line=dict(color=BLUE, width=3, dash="dash"),
+                  annotation=dict(text=f"mean {mean:.2f}", font=dict(size=16, color=BLUE)))
+    return _style(fig, f"Accepted draft tokens per step ({len(accepted)} steps)", height=460,
+                  xaxis=dict(title="draft tokens accepted in the step (bonus token not counted)", dtick=1),
+                  yaxis=dict(title="steps"), bargap=0.15)
+
+
+def phase_breakdown(steps: Sequence[dict]) -> go.Figure:
+    """Milliseconds per phase: per step (stacked) and the mean share of each phase."""
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.68, 0.32], horizontal_spacing=0.12,
+                        subplot_titles=["per step", "mean per step"])
+    x = [s["step"] for s in steps]
+    means = {}
+    for phase in PHASES:
+        ms = [s.get(f"t_{phase}_ms") or 0.0 for s in steps]
+        means[phase] = sum(ms) / len(ms) if ms else 0.0
+        fig.add_trace(go.Bar(x=x, y=ms, name=phase, marker_color=PHASE_COLOURS[phase], legendgroup=phase,
+                             hovertemplate=f"step %{{x}}: {phase} %{{y:.2f}} ms<extra></extra>"), 1, 1)
+    whole = sum(means.values()) or 1.0
+    fig.add_trace(go.Bar(y=list(PHASES), x=[means[p] for p in PHASES], orientation="h", showlegend=False,
+                         marker_color=[PHASE_COLOURS[p] for p in PHASES], name="mean",
+                         text=[f"{means[p]:.1f} ms ({100 * means[p] / whole:.0f}%)" for p in PHASES],
+                         textposition="auto", hovertemplate="%{y}: %{x:.2f} ms per step<extra></extra>"), 1, 2)
+    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_yaxes(title_text="milliseconds", row=1, col=1)
+    fig.update_xaxes(title_text="milliseconds", row=1, col=2)
+    fig.update_yaxes(autorange="reversed", row=1, col=2)
+    fig.update_annotations(font_size=18)
+    return _style(fig, f"Where the time goes: {whole:.1f} ms per step on average", barmode="stack", height=500,
+                  legend=dict(orientation="h", y=-0.2, x=0), margin=dict(t=110, b=120))
+
+
+# ------------------------------------------------------------------ output text
+
+ORIGIN_STYLES = {  # background tints of the Okabe-Ito colours, dark text stays legible
+    "static": ("rgba(0,114,178,0.25)", "accepted draft, static store"),
+    "request": ("rgba(230,159,0,0.35)", "accepted draft, this request (prompt + output)"),
+    "history": ("rgba(0,158,115,0.30)", "accepted draft, history of past outputs"),
+    "model": ("rgba(204,121,167,0.30)", "from the model (bonus token)"),
+}
+
+
+def token_origins(steps: Sequence[dict]) -> list[tuple[int, str, str]]:
+    """(step, origin, text) for every committed token; origin is the source of an
+    accepted draft token, or 'model' for the token the model added itself."""
+    out = []
+    for s in steps:
+        drafted, _ = step_counts(s)
+        sources = s.get("accepted_sources") or []
+        for k, text in enumerate(s["new_texts"]):
+            origin = (sources[k] if k < len(sources) else "draft") if k < drafted else "model"
+            out.append((s["step"], origin, text))
+    return out
+
+
+def origin_text_html(steps: Sequence[dict], prompt: Optional[str] = None) -> str:
+    """The output text with every token tinted by where it came from, and a legend."""
+    tokens = token_origins(steps)
+    counts = Counter(origin for _, origin, _ in tokens)
+    spans, previous = [], None
+    for step, origin, text in tokens:
+        colour, what = ORIGIN_STYLES.get(origin, ("rgba(240,228,66,0.5)", f"accepted draft, {origin}"))
+        edge = "border-left:2px solid #999;" if step != previous else ""
+        previous = step
+        spans.append(f'<span class="tok {html.escape(origin)}" style="background:{colour};{edge}" '
+                     f'title="step {step}: {html.escape(what)}">{html.escape(text)}</span>')
+    legend = "".join(
+        f'<span style="background:{ORIGIN_STYLES.get(o, ("rgba(240,228,66,0.5)",))[0]};padding:2px 8px;'
+        f'margin-right:12px;border-radius:4px">{html.escape(ORIGIN_STYLES.get(o, ("", o))[1])}: {counts[o]} '
+        f'({100 * counts[o] / max(1, len(tokens)):.0f}%)</span>'
+        for o in list(ORIGIN_STYLES) + sorted(set(counts) - set(ORIGIN_STYLES)) if counts[o])
+    head = (f'<div style="color:#666;white-space:pre-wrap;margin-bottom:6px">{html.escape(prompt)}</div>'
+            if prompt else "")
+    return (f'<div class="rest-origin" style="font:17px/1.7 DejaVu Sans Mono, monospace;color:#111">'
+            f'<div style="font-family:DejaVu Sans, sans-serif;font-size:15px;margin-bottom:10px">{legend}'
+            f'<span style="color:#666">a grey bar marks the start of each step</span></div>{head}'
+            f'<div style="white-space:pre-wrap">{"".join(spans)}</div></div>')

@@ -1,0 +1,191 @@
+"""`python -m rest_core traces list | show RUN | export RUN --html FILE [--db PATH]`.
+
+list   : the recorded runs, newest first
+show   : one run's summary and a table of its steps
+export : one self-contained HTML page with every figure of a run (plotly.js
+         inlined once; works offline)
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from rest_core import figures
+from rest_core.recorder import TraceRecorder, default_db_path
+from rest_core.trace import PHASES, SOURCES
+
+Column = tuple[str, Callable[[dict], Any]]
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
+    """A plain-text table: numbers right-aligned, text left-aligned."""
+    cells = [[_cell(get(r)) for _, get in columns] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _) in enumerate(columns)]
+    numeric = [all(_is_number(get(r)) for r in rows) if rows else False for _, get in columns]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line([h for h, _ in columns]), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def _is_number(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v, ensure_ascii=False)
+    return str(v)
+
+
+def _short(text: Optional[str], n: int = 40) -> str:
+    text = (text or "").replace("\n", "↵")
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def tokens_per_s(run: dict) -> Optional[float]:
+    return run["new_tokens"] / run["wall_s"] if run.get("wall_s") and run.get("new_tokens") is not None else None
+
+
+RUN_COLUMNS: list[Column] = [
+    ("id", lambda r: r["id"]),
+    ("started (UTC)", lambda r: (r["started_at"] or "")[:19].replace("T", " ")),
+    ("status", lambda r: r["status"]),
+    ("model", lambda r: _short(r["model"], 24)),
+    ("steps", lambda r: r["steps"]),
+    ("new tok", lambda r: r["new_tokens"]),
+    ("tok/step", lambda r: r["mean_accepted"]),
+    ("wall s", lambda r: r["wall_s"]),
+    ("tok/s", tokens_per_s),
+    ("plain tok/s", lambda r: r["plain_tokens_per_s"]),
+    ("speedup", lambda r: r["speedup"]),
+    ("prompt", lambda r: _short(r["prompt"])),
+]
+
+STEP_COLUMNS: list[Column] = [
+    ("step", lambda s: s["step"]),
+    ("prefix", lambda s: s["prefix_len"]),
+    *[(f"match {src}", (lambda src: lambda s: (s["matched_len"] or {}).get(src))(src)) for src in SOURCES],
+    ("draft", lambda s: s["draft_size"]),
+    ("accepted", lambda s: s["accepted_len"]),
+    ("bonus", lambda s: figures.show_token(s["bonus_text"] or "")),
+    ("committed text", lambda s: _short(figures.show_token("".join(s["new_texts"])), 30)),
+    *[(f"{p} ms", (lambda p: lambda s: s[f"t_{p}_ms"])(p)) for p in PHASES],
+]
+
+
+def run_summary(run: dict) -> list[tuple[str, str]]:
+    """(label, value) pairs describing a run, for text and HTML."""
+    keys = ["id", "status", "error", "model", "tokenizer", "stores", "settings", "started_at", "finished_at",
+            "prompt_tokens", "new_tokens", "steps", "mean_accepted", "wall_s", "plain_wall_s",
+            "plain_tokens_per_s", "speedup", "identical", "pid", "host"]
+    out = [(k, _cell(run.get(k))) for k in keys if run.get(k) is not None]
+    rate = tokens_per_s(run)
+    if rate is not None:
+        out.append(("tokens_per_s", f"{rate:.2f}"))
+    return out
+
+
+def report_html(run: dict, steps: Sequence[dict], detailed: Sequence[dict], note: str = "") -> str:
+    """One page with every figure of a run; plotly.js is inlined in the first figure only."""
+    figs = [figures.speed_figure(steps, run), figures.acceptance_histogram(steps), figures.phase_breakdown(steps)]
+    for step in detailed:
+        figs += [figures.draft_tree_figure(step), figures.mask_heatmap(step)]
+    parts = [f.to_html(full_html=False, include_plotlyjs=(i == 0), config={"displaylogo": False})
+             for i, f in enumerate(figs)]
+    summary = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in run_summary(run))
+    per_step = "".join(f'<section class="step">{a}{b}</section>' for a, b in zip(parts[3::2], parts[4::2]))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>REST Lab run {run['id']}</title>
+<style>
+body {{ font-family: DejaVu Sans, Arial, sans-serif; font-size: 17px; margin: 24px; color: #222; }}
+table {{ border-collapse: collapse; }} th, td {{ text-align: left; padding: 3px 12px; border-bottom: 1px solid #ddd; }}
+td {{ white-space: pre-wrap; max-width: 70em; }} h2 {{ margin-top: 36px; }}
+</style></head><body>
+<h1>REST Lab run {run['id']}: {html.escape(str(run.get('model') or ''))}</h1>
+<table>{summary}</table>
+<h2>Output by origin</h2>
+{figures.origin_text_html(steps, prompt=run.get('prompt'))}
+<h2>Speed, acceptance, time per phase</h2>
+{''.join(parts[:3])}
+<h2>Draft trees and tree masks</h2>
+<p>{html.escape(note)}</p>
+{per_step}
+</body></html>
+"""
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", type=Path, default=None, help=f"trace database (default: {default_db_path()})")
+    return common
+
+
+def add_traces_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `traces` (list | show | export) to a CLI's subparsers; sets func=run_traces."""
+    common = _common()
+    p = subparsers.add_parser("traces", help="recorded runs: list, show, export to HTML")
+    sub = p.add_subparsers(dest="traces_command", required=True)
+    ls = sub.add_parser("list", parents=[common], help="list recorded runs, newest first")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--status", choices=["running", "done", "failed", "stopped", "interrupted"])
+    show = sub.add_parser("show", parents=[common], help="a run's summary and its steps")
+    show.add_argument("run", type=int)
+    export = sub.add_parser("export", parents=[common], help="every figure of a run in one HTML page")
+    export.add_argument("run", type=int)
+    export.add_argument("--html", type=Path, required=True, help="output file")
+    export.add_argument("--max-trees", type=int, default=20,
+                        help="draw the tree and mask of the first N steps (default 20)")
+    p.set_defaults(func=run_traces)
+    return p
+
+
+def run_traces(args: argparse.Namespace) -> int:
+    rec = TraceRecorder(args.db)
+    try:
+        if args.traces_command == "list":
+            runs = rec.list_runs(status=args.status, limit=args.limit)
+            print(format_table(runs, RUN_COLUMNS) if runs else f"no runs in {rec.path}")
+            return 0
+        try:
+            run = rec.get_run(args.run)
+        except KeyError:
+            print(f"no run {args.run} in {rec.path}", file=sys.stderr)
+            return 1
+        steps = rec.load_steps(run["id"])
+        if args.traces_command == "show":
+            width = max(len(k) for k, _ in run_summary(run))
+            print("\n".join(f"{k.ljust(width)}  {v}" for k, v in run_summary(run)))
+            print(f"{'output'.ljust(width)}  {run.get('output') or ''}\n")
+            print(format_table(steps, STEP_COLUMNS) if steps else "no steps recorded")
+            return 0
+        shown = steps[: max(0, args.max_trees)]
+        note = (f"Showing the first {len(shown)} of {len(steps)} steps (--max-trees)." if len(shown) < len(steps)
+                else f"All {len(steps)} steps.")
+        page = report_html(run, steps, [rec.load_step(run["id"], s["step"]) for s in shown], note)
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(page, encoding="utf-8")
+        print(f"wrote {args.html} ({len(page) / 1e6:.1f} MB, {len(steps)} steps, {len(shown)} trees)")
+        return 0
+    finally:
+        rec.close()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rest_core.traces_cli")
+    add_traces_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
