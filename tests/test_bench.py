@@ -1,0 +1,202 @@
+"""The benchmark end to end on the tiny random model: every method runs, every number is derived from the records."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import make_tiny_lm
+from rest_core.bench import (GREEDY_METHODS, SAMPLING_METHODS, SUMMARY_KEYS, chi_square, rotated, run_benchmark,
+                             run_retrieval, same_output)
+from rest_core.bench_suites import BenchPrompt, chat_prompts, load_suite
+from rest_core.decode import DecodeConfig, plain_generate
+from rest_core.sampling import Sampling
+
+PROMPTS = [(5, 6, 7, 5, 6, 7, 5, 6), (11, 12, 13, 14, 11, 12)]
+TINY_TOKENIZER = {"name": "tiny", "fingerprint": None, "vocab_size": 70_000}
+
+
+class Chars:
+    """A character tokenizer (ids = code point mod 97) with a trivial chat template; enough to build a store."""
+
+    chat_template = "user: {text}"
+    name_or_path = "chars"
+
+    def __call__(self, text, add_special_tokens=False, **kw):
+        if isinstance(text, str):
+            return {"input_ids": [ord(c) % 97 for c in text]}
+        return {"input_ids": [[ord(c) % 97 for c in t] for t in text]}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return self("user: " + messages[-1]["content"] + "\nassistant: ")["input_ids"]
+
+    def get_vocab(self):
+        return {f"c{i}": i for i in range(97)}
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path / "cache"))  # the cost calibration of the tiny model
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return make_tiny_lm()
+
+
+@pytest.fixture(scope="module")
+def store(lm, tmp_path_factory):
+    """A static store holding the tiny model's own greedy continuations: rest_static gets accepted drafts."""
+    from datastores import build_from_token_documents
+
+    docs = [list(p) + plain_generate(lm, p, DecodeConfig(max_new_tokens=12)).tokens for p in PROMPTS]
+    return build_from_token_documents(tmp_path_factory.mktemp("store") / "s", docs, tokenizer_info=TINY_TOKENIZER)
+
+
+def _prompts():
+    return [BenchPrompt(f"p{i}", f"prompt {i}", p) for i, p in enumerate(PROMPTS)]
+
+
+def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
+    out = tmp_path / "out"
+    res = run_benchmark(lm, _prompts(), DecodeConfig(max_new_tokens=8), None, store, out, suite="tiny",
+                        command="python -m rest_core bench --suite tiny", png=False, progress=False)
+    data = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    assert (out / "chart.html").stat().st_size > 1000
+    summ = data["summary"]["methods"]
+    assert list(summ) == list(GREEDY_METHODS)
+    for m in GREEDY_METHODS:
+        assert f"| {m} |" in md
+        assert set(SUMMARY_KEYS) <= set(summ[m])
+        assert summ[m]["prompts_ok"] == 2 and summ[m]["prompts_failed"] == 0
+    assert "Machine:" in md and "python -m rest_core bench --suite tiny" in md
+    assert data["machine"]["torch_threads"] >= 1 and data["machine"]["cpu"]
+    recs = data["records"]
+    assert len(recs) == 2 * len(GREEDY_METHODS) and all(r["ok"] for r in recs)
+    # interleaved, the order rotating per prompt
+    for i in range(2):
+        order = [r["method"] for r in sorted((r for r in recs if r["prompt_index"] == i), key=lambda r: r["order"])]
+        assert order == rotated(GREEDY_METHODS, i)
+    # the HF methods really ran: their forward calls were seen, their tokens are the greedy output
+    for r in recs:
+        assert r["new_tokens"] == len(r["tokens"]) > 0 and r["forward_passes"] >= 1 and r["log_consistent"]
+    ref = {r["prompt"]: r["tokens"] for r in recs if r["method"] == "hf_greedy"}
+    for m in GREEDY_METHODS:
+        mine = [r for r in recs if r["method"] == m]
+        same = sum(same_output(ref[r["prompt"]], r["tokens"], lm.eos_token_ids) for r in mine)
+        assert summ[m]["identical"] == same and summ[m]["compared"] == 2
+    assert summ["plain"]["identical"] == 2  # fp32: our plain loop is generate()'s greedy output
+    assert summ["rest_static"]["identical"] == 2 and summ["rest_full"]["identical"] == 2
+    # summary numbers recomputed from the per-prompt records
+    tps = {m: sum(r["new_tokens"] for r in recs if r["method"] == m)
+           / sum(r["wall_s"] for r in recs if r["method"] == m) for m in GREEDY_METHODS}
+    base = max(tps["plain"], tps["hf_greedy"])
+    for m in GREEDY_METHODS:
+        mine = [r for r in recs if r["method"] == m]
+        assert summ[m]["tokens_per_s"] == pytest.approx(tps[m])
+        assert summ[m]["speedup"] == pytest.approx(tps[m] / base)
+        assert summ[m]["mean_accepted"] == pytest.approx(sum(r["new_tokens"] for r in mine)
+                                                        / sum(r["forward_passes"] for r in mine))
+        fwd = [ms for r in mine for ms in r["step_forward_ms"]]
+        assert summ[m]["forward_ms_per_step"] == pytest.approx(np.mean(fwd))
+    assert summ["plain"]["mean_accepted"] == 1.0 and summ["hf_greedy"]["mean_accepted"] == 1.0
+    assert summ["plain"]["acceptance_rate"] is None and summ["plain"]["verify_cost_rel_model"] == pytest.approx(1.0)
+    rs = [r for r in recs if r["method"] == "rest_static"]
+    assert summ["rest_static"]["acceptance_rate"] == pytest.approx(
+        sum(r["accepted_drafts"] for r in rs) / sum(r["draft_tokens"] for r in rs))
+    assert summ["rest_static"]["mean_accepted"] > 1.0  # the store holds these very continuations
+    ret = [x for r in rs for x in r["retrieve_ms"]]
+    assert summ["rest_static"]["retrieve_ms_p99"] == pytest.approx(np.percentile(ret, 99))
+    assert summ["rest_static"]["mean_budget"] == pytest.approx(np.mean([b for r in rs for b in r["budgets"]]))
+    # automatic budget: the query size of each step is the chosen budget plus the root
+    assert all(r["step_query_sizes"] == [b + 1 for b in r["budgets"]] for r in rs)
+    pl = [r for r in recs if r["method"] == "hf_prompt_lookup"]
+    assert sum(r["draft_tokens"] for r in pl) > 0  # the repeated prompts give generate() something to look up
+    assert res["checks"]["plain_vs_hf_ms_per_token_ratio"] > 0
+
+
+def test_a_failing_prompt_is_recorded_and_the_run_goes_on(lm, store, tmp_path):
+    prompts = _prompts()[:1] + [BenchPrompt("bad", "bad", (3, 70_000))]  # an id outside the vocabulary
+    res = run_benchmark(lm, prompts, DecodeConfig(max_new_tokens=4), ["plain", "hf_greedy", "rest_full"], store,
+                        tmp_path, png=False, progress=False)
+    summ = res["summary"]["methods"]
+    assert all(summ[m]["prompts_ok"] == 1 and summ[m]["prompts_failed"] == 1 for m in summ)
+    errors = res["checks"]["errors"]
+    assert {e["method"] for e in errors} == {"plain", "hf_greedy", "rest_full"}
+    assert all(e["prompt"] == "bad" and e["error"] for e in errors)
+    assert "failed runs" in (tmp_path / "results.md").read_text()
+
+
+def test_sampling_mode_reproduces_plain_and_runs_the_distribution_check(lm, store, tmp_path):
+    cfg = DecodeConfig(max_new_tokens=6, sampling=Sampling(temperature=0.8, top_p=0.95, seed=3))
+    res = run_benchmark(lm, _prompts(), cfg, None, store, tmp_path, chi2_prompts=1, chi2_seeds=12,
+                        png=False, progress=False)
+    summ = res["summary"]["methods"]
+    assert list(summ) == list(SAMPLING_METHODS) and res["summary"]["baseline"] == "plain"
+    recs = res["records"]
+    assert {r["seed"] for r in recs} == {3, 4}
+    plain = {r["prompt"]: r["tokens"] for r in recs if r["method"] == "plain"}
+    for m in SAMPLING_METHODS:
+        same = sum(r["tokens"] == plain[r["prompt"]] for r in recs if r["method"] == m)
+        assert summ[m]["identical"] == same
+    dc = res["distribution_check"]["prompts"][0]["methods"]
+    assert set(dc) == set(SAMPLING_METHODS) and all(v["runs"] == 12 for v in dc.values())
+    with pytest.raises(ValueError, match="not available"):
+        run_benchmark(lm, _prompts(), cfg, ["hf_greedy"], store, None, png=False, progress=False)
+
+
+def test_chi_square_tells_a_fair_sampler_from_a_biased_one():
+    probs = np.array([0.5, 0.3, 0.2])
+    fair = Counter({0: 502, 1: 298, 2: 200})
+    biased = Counter({0: 700, 1: 200, 2: 100})
+    assert chi_square(fair, probs, 1000)["p_value"] > 0.5
+    assert chi_square(biased, probs, 1000)["p_value"] < 1e-6
+
+
+def test_retrieval_mode_builds_prefixes_and_reads_meta(tmp_path):
+    from datastores import build_datastore, iter_documents
+
+    texts = [text for _, text, _ in chat_prompts()]
+    base = build_datastore(tmp_path / "base", Chars(), iter_documents((str(i), t * 3) for i, t in enumerate(texts)),
+                           progress=False)
+    res = run_retrieval(base, [1000, 10 ** 9], Chars(), texts[:5], out_dir=tmp_path / "out", count=50, png=False,
+                        progress=False, cache_root=tmp_path / "bench-stores")
+    rows = res["stores"]
+    assert [r["n_tokens"] for r in rows] == [1000, base.n_tokens]  # sizes over the store's own are dropped
+    assert rows[0]["prefix_of_base"] and rows[0]["tokenize_tokens_per_s"] is None
+    assert rows[1]["tokenize_tokens_per_s"] == base.meta["build"]["tokenize_tokens_per_s"]
+    for r in rows:
+        assert r["inside"]["n"] == 50 and r["inside"]["p99_us"] >= r["inside"]["p50_us"] > 0
+        assert r["heldout"]["n"] == 50 and r["heldout"]["hit_rate"] > 0
+        assert r["bytes_per_token"] > 0 and r["suffix_array_tokens_per_s"] > 0
+    again = run_retrieval(base, [1000], count=10, out_dir=None, png=False, progress=False, cache_root=tmp_path / "bench-stores")
+    assert again["stores"][0]["built_at"] == rows[0]["built_at"]  # cached, not rebuilt
+    assert "| 1,000 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_suites_and_the_command_line():
+    from rest_core.cli import _parser
+
+    chat = chat_prompts()
+    assert len(chat) >= 40 and len({pid for pid, _, _ in chat}) == len(chat)
+    assert sum(g for _, _, g in chat) >= 15  # input-grounded prompts
+    words = Chars()
+    he = load_suite("humaneval", words)
+    assert len(he) == 164 and he[0].id == "HumanEval/0" and list(he[0].ids) == words(he[0].text)["input_ids"]
+    two = load_suite("chat", words, limit=2)
+    assert len(two) == 2 and two[0].ids[:6] == tuple(words("user: ")["input_ids"])
+    with pytest.raises(ValueError, match="Unknown suite"):
+        load_suite("mtbench", words)
+    args = _parser().parse_args(["bench", "--suite", "chat", "--limit", "2", "--max-new-tokens", "16",
+                                 "--methods", "plain", "rest_full"])
+    assert args.func.__name__ == "run_bench" and args.limit == 2 and args.methods == ["plain", "rest_full"]
+
+
+def test_outputs_compare_up_to_the_shorter_length_cut_at_eos():
+    assert same_output([1, 2, 0, 5], [1, 2, 0, 7], {0})  # after EOS nothing counts
+    assert same_output([1, 2, 3], [1, 2], set())  # a shorter output that agrees so far
+    assert not same_output([1, 2, 3], [1, 3, 3], set())
+    assert not same_output([1, 0], [1, 2, 0], {0})  # one stopped where the other went on

@@ -1,0 +1,79 @@
+"""The draft budget follows the measured cost curve and the observed acceptance."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+import rest_core.cost as cost
+from oracle import OracleLookup
+from rest_core.cost import GRID, CostModel
+from rest_core.tree import build_draft_tree
+
+
+def curve(one_ms: float, slope_ms: float) -> np.ndarray:
+    return np.array([one_ms + slope_ms * (q - 1) for q in GRID], dtype=float)
+
+
+def chain_tree(shares_rows: int = 10, agree: int = 10):
+    """A single chain drafted by `agree` of `shares_rows` continuations: share agree/rows at every depth."""
+    rows = np.array([[11, 12, 13, 14, 15, 16, 17, 18]] * agree + [[21, 22, 23, 24, 25, 26, 27, 28]] *
+                    (shares_rows - agree))
+    return build_draft_tree(1, [OracleLookup("static", 4, shares_rows, rows)], budget=63)
+
+
+def test_free_verification_drafts_everything_useful():
+    model = CostModel(times_ms=curve(50.0, 0.0))
+    tree = chain_tree(agree=10)
+    assert model.choose(tree) == tree.draft_size
+
+
+def test_expensive_verification_and_weak_drafts_mean_a_plain_step():
+    model = CostModel(times_ms=curve(50.0, 10.0))
+    rows = np.array([[10 + i, 30 + i, 50 + i] for i in range(10)])  # ten different guesses, 10% each
+    tree = build_draft_tree(1, [OracleLookup("static", 2, 10, rows)], budget=63)
+    assert model.choose(tree) == 0
+
+
+def test_observed_acceptance_moves_the_choice():
+    model = CostModel(times_ms=curve(50.0, 3.0))
+    tree = chain_tree(shares_rows=10, agree=5)
+    before = model.choose(tree)
+    for _ in range(300):  # every drafted node was rejected
+        model.observe(tree, [0], forward_ms=60.0)
+    assert model.choose(tree) < before or before == 0
+    assert model.choose(tree) == 0
+    fresh = CostModel(times_ms=curve(50.0, 3.0))
+    for _ in range(300):  # the whole chain was always accepted
+        fresh.observe(tree, list(range(len(tree))), forward_ms=60.0)
+    assert fresh.choose(tree) >= before
+
+
+def test_step_timings_refresh_the_curve():
+    model = CostModel(times_ms=curve(50.0, 1.0))
+    tree = build_draft_tree(1, [], budget=0)  # q = 1
+    for _ in range(9):
+        model.observe(tree, [0], forward_ms=80.0)
+    assert model.forward_ms(1) == 80.0
+
+
+def test_cached_calibration_is_reused_only_while_it_still_holds(tiny_lm, tmp_path, monkeypatch):
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_measure(lm, prefix_len=96, repeats=3, grid=GRID):
+        calls.append(grid)
+        base = fake_measure.one_ms
+        return np.array([base + q for q in grid], dtype=float)
+
+    monkeypatch.setattr(cost, "measure_forward_curve", fake_measure)
+    fake_measure.one_ms = 50.0
+    first = CostModel.for_model(tiny_lm)
+    assert calls == [GRID] and first.forward_ms(1) == 51.0
+    second = CostModel.for_model(tiny_lm)  # probe agrees: cached curve kept
+    assert calls[-1] == (1,) and second.forward_ms(1) == 51.0
+    fake_measure.one_ms = 200.0  # the machine got slower: measure again
+    third = CostModel.for_model(tiny_lm)
+    assert calls[-1] == GRID and third.forward_ms(1) == 201.0
+    saved = json.loads(next((tmp_path / "cost").glob("*.json")).read_text())
+    assert saved["times_ms"][0] == 201.0
