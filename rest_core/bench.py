@@ -41,8 +41,10 @@ from .bench_suites import SUITES, BenchPrompt, load_suite
 
 GREEDY_METHODS = ("plain", "hf_greedy", "hf_prompt_lookup", "rest_static", "rest_full")
 SAMPLING_METHODS = ("plain", "rest_static", "rest_full")
+# opt-in: rest_static with every step recorded to SQLite, to measure the recorder's overhead
+TRACED = "rest_static_traced"
 SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full")
-REST_METHODS = ("rest_static", "rest_full")
+REST_METHODS = ("rest_static", "rest_full", TRACED)
 PLAIN_TOLERANCE = 0.05  # our plain loop should be within 5% of generate() per token
 SUMMARY_KEYS = ("prompts_ok", "prompts_failed", "new_tokens", "wall_s", "tokens_per_s", "mean_prompt_tokens_per_s",
                 "ms_per_token", "speedup", "forward_passes", "mean_accepted", "acceptance_rate", "no_draft_share",
@@ -123,6 +125,16 @@ class MethodRunner:
             self.decoders["rest_static"] = RestDecoder(lm, static_store=static_store, history_store=None,
                                                        use_request_store=False,
                                                        budget_chooser=CostModel.for_model(lm) if auto else None)
+        if TRACED in methods:
+            import tempfile
+
+            from .recorder import TraceRecorder
+
+            self.trace_dir = Path(tempfile.mkdtemp(prefix="rest-bench-trace-"))
+            self.recorder = TraceRecorder(self.trace_dir / "trace.sqlite")
+            self.decoders[TRACED] = RestDecoder(lm, static_store=static_store, history_store=None,
+                                                use_request_store=False,
+                                                budget_chooser=CostModel.for_model(lm) if auto else None)
         if "rest_full" in methods:
             self.history = HistoryStore(path=None, n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
             self.decoders["rest_full"] = RestDecoder(lm, static_store=static_store, history_store=self.history,
@@ -160,6 +172,12 @@ class MethodRunner:
         t0 = time.perf_counter()
         if method == "plain":
             res = plain_generate(self.lm, prompt, cfg)
+        elif method == TRACED:
+            run_id = self.recorder.start_run(model=self.lm.name, tokenizer_name=self.lm.name, stores=["static"],
+                                             settings={"bench": True}, prompt="", prompt_tokens=list(prompt))
+            res = self.decoders[method].generate(prompt, cfg, hook=self.recorder.step_hook(run_id, self.lm.tokenizer))
+            self.recorder.finish_run(run_id, output=res.text, new_tokens=res.new_tokens, steps=res.steps,
+                                     wall_s=res.wall_s, mean_accepted=res.mean_accepted)
         else:
             res = self.decoders[method].generate(prompt, cfg, update_history=update_history)
         self._sync()
@@ -238,7 +256,7 @@ def run_benchmark(lm, prompts: Sequence[BenchPrompt], cfg, methods: Optional[Seq
     greedy = cfg.sampling.greedy
     allowed = GREEDY_METHODS if greedy else SAMPLING_METHODS
     methods = tuple(methods or allowed)
-    bad = [m for m in methods if m not in allowed]
+    bad = [m for m in methods if m not in allowed + (TRACED,)]
     if bad:
         raise ValueError(f"Methods {bad} are not available {'in greedy mode' if greedy else 'when sampling'}: "
                          f"choose from {', '.join(allowed)}.")
@@ -291,6 +309,8 @@ def run_benchmark(lm, prompts: Sequence[BenchPrompt], cfg, methods: Optional[Seq
         results["machine"]["loadavg_end"] = _loadavg()
         results["summary"] = summarize(results["records"], methods, greedy, results["settings"]["cost_model"])
         results["checks"] = checks(results["records"], results["summary"], greedy)
+        if TRACED in methods:
+            results["recording"] = recording_overhead(results["records"], runner)
         if out_dir is not None:
             write_outputs(results, Path(out_dir), png=png)
     return results
@@ -505,6 +525,24 @@ def first_token_check(runner: MethodRunner, prompts: Sequence[BenchPrompt], cfg,
     return report
 
 
+def recording_overhead(records: list[dict], runner) -> dict:
+    """Wall time per step with and without the SQLite recorder (same stores, interleaved runs)."""
+    per = {}
+    for m in ("rest_static", TRACED):
+        done = [r for r in records if r["method"] == m and r["ok"]]
+        steps = sum(r["steps"] for r in done)
+        per[m] = {"steps": steps, "wall_s": sum(r["wall_s"] for r in done),
+                  "ms_per_step": 1e3 * sum(r["wall_s"] for r in done) / steps if steps else None,
+                  "ms_per_token": 1e3 * sum(r["wall_s"] for r in done) / max(1, sum(r["new_tokens"] for r in done))}
+    db = runner.trace_dir / "trace.sqlite"
+    size = sum(f.stat().st_size for f in runner.trace_dir.iterdir() if f.name.startswith("trace.sqlite"))
+    base, traced = per["rest_static"]["ms_per_step"], per[TRACED]["ms_per_step"]
+    db_steps = sum(r["steps"] or 0 for r in runner.recorder.list_runs())  # the untimed warm-up is stored too
+    return {"per_method": per, "overhead_per_step": (traced / base - 1) if base and traced else None,
+            "db_path": str(db), "db_bytes": size, "db_steps": db_steps,
+            "db_bytes_per_1000_steps": 1000 * size / db_steps if db_steps else None}
+
+
 # -- output -------------------------------------------------------------------------------------------
 
 def _f(x, spec=".2f", none="–"):
@@ -573,6 +611,11 @@ def markdown(results: dict) -> str:
                              else f"{m}: {r.get('note', 'n/a')}")
             notes.append(f"First-token chi-square over {dc['seeds']} seeds on {entry['prompt']}: " + "; ".join(parts)
                          + ".")
+    rc = results.get("recording")
+    if rc and rc.get("overhead_per_step") is not None:
+        notes.append(f"Recording every step to SQLite: {rc['overhead_per_step']:+.1%} wall time per step "
+                     f"({rc['per_method'][TRACED]['ms_per_step']:.1f} vs {rc['per_method']['rest_static']['ms_per_step']:.1f} ms), "
+                     f"{rc['db_bytes_per_1000_steps'] / 1e6:.2f} MB of database per 1,000 steps.")
     if results.get("interrupted"):
         notes.append("INTERRUPTED: partial results.")
     if results.get("png_note"):
@@ -753,7 +796,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="humaneval (164 completion prompts), chat (instruction prompts, chat template) or retrieval")
     g.add_argument("--retrieval", action="store_true", help="the store lookup micro-benchmark (= --suite retrieval)")
     g.add_argument("--limit", type=int, default=None, help="first N prompts only")
-    g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS,
+    g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED,),
                    help="default: all (greedy) or plain rest_static rest_full (sampling)")
     g.add_argument("--out", default=None, help="output folder (default bench_out/<suite>-<timestamp>)")
     g.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for generate()")

@@ -200,3 +200,25 @@ def test_outputs_compare_up_to_the_shorter_length_cut_at_eos():
     assert same_output([1, 2, 3], [1, 2], set())  # a shorter output that agrees so far
     assert not same_output([1, 2, 3], [1, 3, 3], set())
     assert not same_output([1, 0], [1, 2, 0], {0})  # one stopped where the other went on
+
+
+def test_recording_overhead_is_measured_against_the_same_method_untraced(lm, store, tmp_path):
+    from rest_core.bench import TRACED
+
+    res = run_benchmark(lm, _prompts(), DecodeConfig(max_new_tokens=8), ["rest_static", TRACED], store,
+                        tmp_path / "out", png=False, progress=False)
+    rc = res["recording"]
+    traced = [r for r in res["records"] if r["method"] == TRACED]
+    assert rc["per_method"][TRACED]["steps"] == sum(r["steps"] for r in traced) > 0
+    assert rc["db_bytes"] > 0 and rc["db_bytes_per_1000_steps"] == pytest.approx(1000 * rc["db_bytes"] / rc["db_steps"])
+    base = rc["per_method"]["rest_static"]
+    assert rc["overhead_per_step"] == pytest.approx(rc["per_method"][TRACED]["ms_per_step"] / base["ms_per_step"] - 1)
+    # the traced runs decode the same tokens, and every step landed in the database
+    from rest_core.recorder import TraceRecorder
+
+    rec = TraceRecorder(rc["db_path"])
+    stored = [len(rec.load_steps(r["id"])) for r in rec.list_runs()]
+    assert sum(stored) == rc["db_steps"]
+    assert len(stored) == len(traced) + 1  # plus the untimed warm-up
+    assert sum(stored) > sum(r["steps"] for r in traced)
+    assert "Recording every step" in (tmp_path / "out" / "results.md").read_text()
