@@ -18,7 +18,7 @@ from datastores import (DatastoreError, HistoryStore, TokenDatastore, build_data
                         iter_python_sources, tokenizer_fingerprint)
 from datastores.sources import site_packages_roots, stdlib_root
 
-DEFAULT_STORE_TOKENS = int(os.environ.get("REST_LAB_DEFAULT_STORE_TOKENS", 60_000_000))
+DEFAULT_STORE_TOKENS = int(os.environ.get("REST_LAB_DEFAULT_STORE_TOKENS", 50_000_000))
 
 
 def default_store_path(tokenizer) -> Path:

@@ -1,0 +1,154 @@
+"""Command line: build a store, describe/verify one, time its lookups.
+
+    python -m datastores build OUT [--python-stdlib] [--site-packages] [--files PATH ...]
+                                   [--suffix .py ...] [--jsonl FILE ... --field text]
+                                   [--tokenizer default|FOLDER|HUB_ID] [--max-tokens N] [--force] [--resume]
+    python -m datastores info PATH [--verify]
+    python -m datastores bench STORE [--heldout PATH ...] [--tokenizer ...] [--contexts 2000]
+
+Every expected failure is a DatastoreError printed as one ``error:`` line (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .common import DatastoreError
+
+__all__ = ["main", "load_tokenizer"]
+
+
+def load_tokenizer(spec: str = "default"):
+    """``default`` -> the project's model tokenizer; otherwise a local folder or hub id."""
+    if spec == "default":
+        try:
+            from rest_core.model import load_tokenizer as load_default  # imported late: optional peer module
+        except ImportError as exc:
+            raise DatastoreError(f"the default tokenizer comes from rest_core.model.load_tokenizer, which "
+                                 f"cannot be imported ({exc}); pass --tokenizer FOLDER_OR_HUB_ID") from None
+        return load_default(None)
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(spec)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot load"
+        raise DatastoreError(f"cannot load tokenizer {spec!r} ({type(exc).__name__}: {str(exc)[:200]}); "
+                             "pass a folder holding tokenizer files, or a hub id that is cached locally") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m datastores", description="Build and inspect REST token datastores.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="tokenize a corpus into a new store")
+    b.add_argument("out", help="directory to create (replaced only with --force)")
+    b.add_argument("--python-stdlib", action="store_true", help="this interpreter's standard library (*.py)")
+    b.add_argument("--site-packages", action="store_true", help="this environment's site-packages (*.py)")
+    b.add_argument("--files", nargs="+", default=[], metavar="PATH", help="text files or folders")
+    b.add_argument("--suffix", nargs="+", default=None, metavar="SUFFIX", help="only --files ending so (e.g. .py .md)")
+    b.add_argument("--jsonl", action="append", default=[], metavar="FILE", help="JSON lines, one document each")
+    b.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
+    b.add_argument("--tokenizer", default="default", help="'default' (the project model's), a folder or a hub id")
+    b.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    b.add_argument("--force", action="store_true", help="replace an existing store at OUT")
+    b.add_argument("--resume", action="store_true",
+                   help="keep tokenized batches in the cache dir; a rerun skips those already done")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    i = sub.add_parser("info", help="describe a store")
+    i.add_argument("path")
+    i.add_argument("--verify", action="store_true", help="also check every file's full checksum")
+
+    m = sub.add_parser("bench", help="lookup latency percentiles")
+    m.add_argument("store")
+    m.add_argument("--heldout", nargs="+", default=[], metavar="PATH", help="files/folders of held-out text")
+    m.add_argument("--tokenizer", default=None, help="tokenizer for --heldout (default: the store's, by name)")
+    m.add_argument("--contexts", type=int, default=2000)
+    m.add_argument("--context-len", type=int, default=64)
+    m.add_argument("--n-max", type=int, default=16)
+    m.add_argument("--n-min", type=int, default=2)
+    m.add_argument("--max-matches", type=int, default=5000)
+    m.add_argument("--continuation-len", type=int, default=10)
+    m.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def _sources(args):
+    from .sources import iter_jsonl, iter_python_sources, iter_text_files, site_packages_roots, stdlib_root
+
+    roots = []
+    if args.python_stdlib:
+        roots.append(stdlib_root())
+    if args.site_packages:
+        roots.extend(site_packages_roots())
+    sources = [iter_python_sources(roots)] if roots else []
+    for path in args.files:
+        if not Path(path).exists():
+            raise DatastoreError(f"--files path {path} does not exist; pass existing files or folders")
+    if args.files:
+        sources.append(iter_text_files(args.files, args.suffix))
+    sources.extend(iter_jsonl(f, args.field) for f in args.jsonl)
+    if not sources:
+        sources = [iter_python_sources()]  # the default corpus: stdlib + site-packages
+    return sources
+
+
+def _cmd_build(args) -> int:
+    from .build import build_datastore
+
+    sources = _sources(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    store = build_datastore(args.out, tokenizer, sources, progress=not args.quiet,
+                            max_tokens=args.max_tokens, overwrite=args.force, resume=args.resume)
+    b = store.meta["build"]
+    print(store.describe())
+    print(f"throughput: tokenize {b['tokenize_tokens_per_s']:,.0f} tokens/s, "
+          f"suffix array {b['suffix_array_tokens_per_s']:,.0f} tokens/s; {b['bytes_per_token']:.2f} bytes/token")
+    skipped = {k: v for s in store.meta["sources"] for k, v in s["counts"].items() if k.startswith("skipped")}
+    if skipped:
+        print("skipped: " + ", ".join(f"{k[8:]} {v:,}" for k, v in skipped.items()))
+    return 0
+
+
+def _cmd_info(args) -> int:
+    from .static import TokenDatastore
+
+    store = TokenDatastore.open(args.path)
+    print(store.describe())
+    if args.verify:
+        store.verify()
+        print("verify     all checksums match")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from .microbench import bench_store, format_report, read_heldout
+    from .static import TokenDatastore
+
+    store = TokenDatastore.open(args.store)
+    tokenizer, texts = None, []
+    if args.heldout:
+        tokenizer = load_tokenizer(args.tokenizer or store.meta["tokenizer"]["name"])
+        from .static import check_tokenizer
+
+        check_tokenizer(store.meta, tokenizer, store.path)
+        texts = read_heldout(args.heldout)
+    report = bench_store(store, tokenizer, texts, count=args.contexts, context_len=args.context_len,
+                         n_max=args.n_max, n_min=args.n_min, max_matches=args.max_matches,
+                         continuation_len=args.continuation_len)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"build": _cmd_build, "info": _cmd_info, "bench": _cmd_bench}[args.cmd](args)
+    except DatastoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing was published", file=sys.stderr)
+        return 130

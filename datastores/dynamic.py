@@ -1,0 +1,374 @@
+"""Stores that grow while the server runs: the current request, and past answers.
+
+Both answer lookups with the static store's semantics (longest suffix n_max..n_min
+that has an occurrence with a continuation wins; continuations cut at document ends)
+but order matches most recent first and, past ``max_matches``, keep the most recent.
+
+Index: for a few n-gram lengths ("levels": n_min, 2*n_min, 4*n_min, ... <= n_max) a
+64-bit hash of every n-gram maps to its end positions. A lookup takes the longest
+level whose query n-gram occurs, then measures every candidate's exact match length
+with one vectorized comparison (which also discards hash collisions). Every match of
+length >= a level is among that level's candidates, so the answer is exact, and a few
+levels cost far less memory than one dict entry per n (16 bytes per token per level).
+
+Each level keeps a sorted run (binary-searched) plus a small unsorted tail of the
+newest entries (scanned); the tail is merged into the run when it outgrows
+max(1024, run/8) capped at 16384 entries, so appending is O(new tokens * levels)
+amortized and a lookup stays O(log N + tail).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .common import (SEP, DatastoreError, Lookup, check_lookup_args, empty_lookup,
+                     gather_continuations, query_tail)
+
+_MASK = (1 << 64) - 1
+_M1 = 0x9E3779B97F4A7C15
+_M2 = 0xBF58476D1CE4E5B9
+_P = 0x100000001B3
+_M1_U, _M2_U, _P_U = np.uint64(_M1), np.uint64(_M2), np.uint64(_P)
+
+__all__ = ["RequestStore", "HistoryStore"]
+
+
+def _mix_np(tokens: np.ndarray) -> np.ndarray:
+    """Per-token 64-bit scramble (int64 ids -> uint64), so n-gram hashes spread well."""
+    x = (tokens.astype(np.uint64) + np.uint64(1)) * _M1_U
+    x ^= x >> np.uint64(31)
+    return x * _M2_U
+
+
+def _mix_py(t: int) -> int:
+    x = ((t + 1) * _M1) & _MASK
+    x ^= x >> 31
+    return (x * _M2) & _MASK
+
+
+def _query_hashes(rev_query: list[int], levels: list[int]) -> dict[int, int]:
+    """Hash of the newest n tokens for every level n (same function as `_Postings`)."""
+    out, h = {}, 0
+    want = set(levels)
+    for k, t in enumerate(rev_query, 1):
+        h = (h * _P + _mix_py(t)) & _MASK
+        if k in want:
+            out[k] = h
+    return out
+
+
+class _Postings:
+    """n-gram hash -> end positions for one n: sorted run + unsorted newest tail."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.keys = np.empty(0, dtype=np.uint64)  # (R,) sorted
+        self.pos = np.empty(0, dtype=np.int64)  # (R,) sorted by (key, pos)
+        self.tail_keys = np.empty(256, dtype=np.uint64)  # (capacity,) first tail_len used
+        self.tail_pos = np.empty(256, dtype=np.int64)
+        self.tail_len = 0
+
+    def add(self, keys: np.ndarray, pos: np.ndarray) -> None:
+        """Append entries whose positions exceed every stored one."""
+        k = keys.size
+        if self.tail_len + k > self.tail_keys.size:
+            cap = max(2 * self.tail_keys.size, self.tail_len + k)
+            self.tail_keys = np.resize(self.tail_keys, cap)
+            self.tail_pos = np.resize(self.tail_pos, cap)
+        self.tail_keys[self.tail_len:self.tail_len + k] = keys
+        self.tail_pos[self.tail_len:self.tail_len + k] = pos
+        self.tail_len += k
+        if self.tail_len > min(16384, max(1024, self.keys.size // 8)):
+            self.merge()
+
+    def merge(self) -> None:
+        if not self.tail_len:
+            return
+        tk, tp = self.tail_keys[:self.tail_len], self.tail_pos[:self.tail_len]
+        order = np.lexsort((tp, tk))
+        tk, tp = tk[order], tp[order]
+        at = np.searchsorted(self.keys, tk, side="right")  # new positions are the largest
+        self.keys = np.insert(self.keys, at, tk)
+        self.pos = np.insert(self.pos, at, tp)
+        self.tail_len = 0
+
+    def find(self, key: int) -> np.ndarray:
+        """End positions of n-grams hashing to key, ascending. (k,) int64"""
+        ku = np.uint64(key)
+        lo, hi = np.searchsorted(self.keys, ku, "left"), np.searchsorted(self.keys, ku, "right")
+        main = self.pos[lo:hi]
+        if self.tail_len:
+            tail = self.tail_pos[:self.tail_len][self.tail_keys[:self.tail_len] == ku]
+            if tail.size:
+                return np.concatenate([main, tail]) if main.size else tail
+        return main
+
+    def shift(self, cut: int) -> None:
+        """Forget positions below cut and renumber the rest (the stream lost its head)."""
+        self.merge()
+        keep = self.pos >= cut
+        self.keys, self.pos = self.keys[keep], self.pos[keep] - cut
+
+
+class _NgramIndex:
+    """A growing token stream (SEP between documents) with hashed n-gram postings."""
+
+    def __init__(self, n_max: int, n_min: int):
+        if n_min < 1 or n_max < n_min:
+            raise DatastoreError(f"n_min={n_min}, n_max={n_max}: need 1 <= n_min <= n_max")
+        self.n_min, self.n_max = n_min, n_max
+        levels, n = [], n_min
+        while n <= n_max:
+            levels.append(n)
+            n *= 2
+        self.levels = levels
+        self.postings = {n: _Postings(n) for n in levels}
+        self.toks = np.empty(1024, dtype=np.int64)  # (capacity,) first `size` used
+        self.size = 0
+        self.doc_start = 0  # first position of the document being appended to
+        self.live_start = 0  # positions below this belong to dropped documents
+
+    def append(self, tokens: np.ndarray, new_doc: bool) -> None:
+        """Add tokens (int64, checked) to the stream, as a new document or to the last one."""
+        if new_doc and self.size:
+            tokens = np.concatenate([np.array([SEP], dtype=np.int64), tokens])
+        k = tokens.size
+        if not k:
+            return
+        if self.size + k > self.toks.size:
+            self.toks = np.resize(self.toks, max(2 * self.toks.size, self.size + k))
+        start = self.size
+        self.toks[start:start + k] = tokens
+        self.size += k
+        if new_doc:
+            self.doc_start = start + (1 if start else 0)
+        self._index(start)
+
+    def _index(self, first_new: int) -> None:
+        """Hash the n-grams ending at positions first_new.. that lie inside the document."""
+        top = self.levels[-1]
+        w0 = max(self.doc_start, first_new - top + 1)
+        mixed = _mix_np(self.toks[w0:self.size])  # (W,) window ending at the stream end
+        h = mixed.copy()  # h[t] = hash of the (k+1)-gram ending at window position t (t >= k)
+        with np.errstate(over="ignore"):
+            for k in range(1, top + 1):
+                if k in self.postings:
+                    lo = max(k - 1, first_new - w0)  # full k-gram inside window, new end position
+                    if lo < h.size:
+                        self.postings[k].add(h[lo:], np.arange(w0 + lo, self.size, dtype=np.int64))
+                if k == top or k >= h.size:
+                    break
+                h[k:] = h[k:] * _P_U + mixed[:h.size - k]  # (k+1)-gram hashes
+
+    def match(self, context, n_max: int, n_min: int, max_matches: int) -> tuple[int, int, np.ndarray]:
+        """(matched_len, total, chosen end positions most recent first) for a context."""
+        if n_min < self.n_min:
+            raise DatastoreError(f"this store indexes suffixes of at least {self.n_min} tokens, "
+                                 f"lookup asked for n_min={n_min}; construct it with n_min={n_min}")
+        q = query_tail(context, n_max)  # (m,) int64, newest last
+        m = q.size
+        if m < n_min or self.size == 0:
+            return 0, 0, np.empty(0, dtype=np.int64)
+        rq = q[::-1]  # (m,) newest first
+        hashes = _query_hashes(rq.tolist(), self.levels)
+        cands = [n for n in self.levels if n <= m]
+        for li in range(len(cands) - 1, -1, -1):
+            level = cands[li]
+            need = max(level, n_min)
+            # the longer level found nothing live, so no live match reaches it: compare
+            # only up to its length (a frequent bigram has many candidates)
+            cap = cands[li + 1] - 1 if li + 1 < len(cands) else m
+            pos = self.postings[level].find(hashes[level])  # (c,) ascending
+            if pos.size and self.live_start:
+                pos = pos[pos >= self.live_start]
+            if pos.size:
+                # exact match length of each candidate (up to cap), newest token first
+                idx = pos[:, None] - np.arange(cap, dtype=np.int64)  # (c, cap)
+                win = self.toks[np.maximum(idx, 0)]  # (c, cap)
+                eq = (win == rq[:cap]) & (idx >= 0)
+                length = np.where(eq.all(axis=1), cap, np.argmin(eq, axis=1))  # (c,)
+                nxt = pos + 1
+                live = nxt < self.size
+                live[live] = self.toks[nxt[live]] != SEP
+                ok = live & (length >= need)
+                if ok.any():
+                    best = int(length[ok].max())
+                    chosen = pos[ok & (length >= best)][::-1]  # most recent first
+                    return best, int(chosen.size), chosen[:max_matches]
+            if level <= n_min:
+                break  # shorter levels cannot reach n_min
+        return 0, 0, np.empty(0, dtype=np.int64)
+
+    def gather(self, ends: np.ndarray, length: int) -> np.ndarray:
+        return gather_continuations(self.toks, ends, length, self.size)
+
+    def drop_before(self, cut: int) -> None:
+        """Forget documents before position cut (a document start); compacts lazily."""
+        self.live_start = cut
+        if cut > self.size // 4:
+            keep = self.toks[cut:self.size].copy()
+            self.toks = np.resize(keep, max(1024, 2 * keep.size))
+            self.size = keep.size
+            self.doc_start -= cut
+            self.live_start = 0
+            for p in self.postings.values():
+                p.shift(cut)
+
+
+class RequestStore:
+    """The current request (prompt + answer so far), extended as tokens are accepted.
+
+    The occurrence that *is* the end of the stored tokens has nothing after it and is
+    never a match, so looking up the store's own tokens finds earlier repeats only.
+    """
+
+    source = "request"
+
+    def __init__(self, tokens: Sequence[int] = (), n_max: int = 16, n_min: int = 2):
+        self._index = _NgramIndex(n_max, n_min)
+        self.n_max, self.n_min = n_max, n_min
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append accepted tokens; indexes only the new n-grams."""
+        arr = query_tail(tokens, len(tokens))
+        self._index.append(arr, new_doc=False)
+
+    @property
+    def n_tokens(self) -> int:
+        return self._index.size
+
+    def __len__(self) -> int:
+        return self._index.size
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self._index.toks[:self._index.size].copy()
+
+    def lookup(self, context, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
+               continuation_len: int = 10) -> Lookup:
+        check_lookup_args(n_max, n_min, max_matches, continuation_len)
+        n, total, ends = self._index.match(context, n_max, n_min, max_matches)
+        if not n:
+            return empty_lookup(self.source, continuation_len)
+        return Lookup(self.source, n, total, self._index.gather(ends, continuation_len))
+
+
+class HistoryStore:
+    """Past answers, one document each, optionally persisted to ``path``.
+
+    When the total passes ``max_tokens`` the oldest answers are dropped (an answer longer
+    than max_tokens keeps its last max_tokens tokens). ``path`` ending in ``.json`` is
+    saved as JSON, anything else as ``.npz``; it is loaded on construction if it exists.
+    """
+
+    source = "history"
+
+    def __init__(self, path=None, n_max: int = 16, n_min: int = 2, max_tokens: int = 1_000_000):
+        if max_tokens < 1:
+            raise DatastoreError(f"max_tokens={max_tokens}: pass a positive history size")
+        self.path = Path(path) if path is not None else None
+        self.n_max, self.n_min, self.max_tokens = n_max, n_min, max_tokens
+        self._reset()
+        if self.path is not None and self.path.exists():
+            self.load()
+
+    def _reset(self) -> None:
+        self._index = _NgramIndex(self.n_max, self.n_min)
+        self._docs: list[tuple[int, int]] = []  # (start position, length) of live answers
+        self._first = 0  # index into _docs of the oldest live answer
+        self.n_tokens = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Record one finished answer; continuations never run into the next answer."""
+        arr = query_tail(tokens, len(tokens))[-self.max_tokens:]
+        if not arr.size:
+            return
+        ix = self._index
+        self._index.append(arr, new_doc=True)
+        self._docs.append((ix.size - arr.size, int(arr.size)))
+        self.n_tokens += int(arr.size)
+        dropped = False
+        while self.n_tokens > self.max_tokens:
+            self.n_tokens -= self._docs[self._first][1]
+            self._first += 1
+            dropped = True
+        if dropped:
+            cut = self._docs[self._first][0]
+            before = ix.size
+            ix.drop_before(cut)
+            shift = before - ix.size  # non-zero when the stream was compacted
+            self._docs = [(s - shift, n) for s, n in self._docs[self._first:]]
+            self._first = 0
+
+    def __len__(self) -> int:
+        return len(self._docs) - self._first
+
+    def answers(self) -> list[np.ndarray]:
+        """The live answers, oldest first. list of (len,) int64"""
+        t = self._index.toks
+        return [t[s:s + n].copy() for s, n in self._docs[self._first:]]
+
+    def lookup(self, context, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
+               continuation_len: int = 10) -> Lookup:
+        check_lookup_args(n_max, n_min, max_matches, continuation_len)
+        n, total, ends = self._index.match(context, n_max, n_min, max_matches)
+        if not n:
+            return empty_lookup(self.source, continuation_len)
+        return Lookup(self.source, n, total, self._index.gather(ends, continuation_len))
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path=None) -> None:
+        """Write the live answers atomically (temp file + rename) to path or self.path."""
+        path = Path(path) if path is not None else self.path
+        if path is None:
+            raise DatastoreError("HistoryStore has no path to save to; pass path= here or to the constructor")
+        answers = self.answers()
+        lengths = np.array([a.size for a in answers], dtype=np.int64)
+        flat = np.concatenate(answers) if answers else np.empty(0, dtype=np.int64)
+        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if path.suffix == ".json":
+                tmp.write_text(json.dumps({"format": "rest-lab-history", "version": 1,
+                                           "answers": [a.tolist() for a in answers]}), encoding="utf-8")
+            else:
+                buf = io.BytesIO()
+                np.savez(buf, format=np.array("rest-lab-history"), version=np.array(1),
+                         tokens=flat.astype(np.uint32), lengths=lengths)
+                tmp.write_bytes(buf.getvalue())
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise DatastoreError(f"cannot save history to {path}: {exc}") from None
+
+    def load(self, path=None) -> None:
+        """Replace the contents with the answers saved at path (or self.path)."""
+        path = Path(path) if path is not None else self.path
+        if path is None or not path.exists():
+            raise DatastoreError(f"no history file at {path}; save() one first or pass an existing path")
+        try:
+            if path.suffix == ".json":
+                data = json.loads(path.read_text(encoding="utf-8"))
+                if data.get("format") != "rest-lab-history":
+                    raise ValueError("not a rest-lab history file")
+                answers = [np.asarray(a, dtype=np.int64) for a in data["answers"]]
+            else:
+                with np.load(path, allow_pickle=False) as z:
+                    if str(z["format"]) != "rest-lab-history":
+                        raise ValueError("not a rest-lab history file")
+                    flat, lengths = z["tokens"].astype(np.int64), z["lengths"].astype(np.int64)
+                if lengths.sum() != flat.size or (lengths < 0).any():
+                    raise ValueError("answer lengths do not add up to the token count")
+                answers = np.split(flat, np.cumsum(lengths)[:-1]) if lengths.size else []
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+            raise DatastoreError(f"history file {path} is corrupt ({exc}); move it aside or delete it "
+                                 "to start a fresh history") from None
+        self._reset()
+        for a in answers:
+            self.add(a)

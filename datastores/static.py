@@ -1,0 +1,408 @@
+"""The on-disk static store: open, check, look up.
+
+A store is a directory:
+
+* ``tokens.u32`` -- the token stream, little-endian uint32, documents joined by SEP.
+* ``sa.u32`` / ``sa.u64`` -- suffix array of the *reversed* stream, stored as forward
+  end positions ``i``; rank order = the order of the backward strings
+  ``tokens[i], tokens[i-1], ..., tokens[0]`` (unsigned comparison, SEP = 0xFFFFFFFF,
+  a string that runs off the start of the stream sorts before any longer string that
+  begins with it).
+* ``ends.u32`` / ``ends.u64`` -- sorted SA ranks of the positions with no continuation
+  (the last token of each document). They can match but must not count, so a
+  lookup subtracts them from each range with two ``searchsorted`` calls.
+* ``meta.json`` -- provenance, sizes and checksums; written last, so a directory
+  without a valid one is never a store.
+
+Why reversed: every query suffix of length n (n_max down to n_min) is a *prefix* of
+the one reversed query ``q[-1], q[-2], ...``, so one binary search finds the longest
+matching length and the ranges for shorter lengths nest around the same point.
+
+Why bytes: reversing the little-endian bytes of ``tokens[i-m+1 : i+1]`` yields the m
+tokens read backwards, each in big-endian order, so Python's ``bytes`` comparison
+(memcmp, shorter-prefix-first) is exactly the suffix-array order. A binary-search
+probe is then two slices of an ``mmap`` and one C comparison (well under a microsecond).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import struct
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .common import (DatastoreError, Lookup, check_lookup_args, empty_lookup,
+                     gather_continuations, query_tail, sliding_window)
+
+FORMAT_NAME = "rest-lab-token-datastore"
+FORMAT_VERSION = 1
+META_NAME = "meta.json"
+TOKENS_NAME = "tokens.u32"
+LEFT_CONTEXT_TOKENS = 64  # context tokens used to rank matches when there are too many
+SAMPLE_BLOCKS = 16  # blocks hashed on open (cheap check)
+SAMPLE_BLOCK_BYTES = 1 << 16
+
+REQUIRED_META = {"format": str, "format_version": int, "tokenizer": dict, "sources": list,
+                 "n_tokens": int, "n_docs": int, "built_at": str, "build": dict, "files": dict}
+
+
+def rebuild_hint(path: Path | str) -> str:
+    return f"rebuild it with `python -m datastores build {path} ...`"
+
+
+def index_dtype(n_tokens: int) -> tuple[str, str]:
+    """(numpy dtype, file suffix) for positions/ranks of a stream of n_tokens."""
+    return ("<u4", "u32") if n_tokens < 2**32 else ("<u8", "u64")
+
+
+def sample_hash(path: Path, size: int) -> str:
+    """sha256 over the size and SAMPLE_BLOCKS evenly spaced blocks: a cheap on-open check
+    that catches truncation, swapped files and most overwrites without reading it all."""
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+            h.update(f.read())
+        else:
+            for off in np.linspace(0, size - SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS).astype(np.int64):
+                f.seek(int(off))
+                h.update(f.read(SAMPLE_BLOCK_BYTES))
+    return h.hexdigest()
+
+
+def full_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_record(path: Path) -> dict:
+    size = path.stat().st_size
+    return {"size": size, "sample_sha256": sample_hash(path, size), "sha256": full_hash(path)}
+
+
+def _read_meta(path: Path) -> dict:
+    """meta.json parsed and checked for completeness, else a DatastoreError saying why."""
+    if not path.exists():
+        raise DatastoreError(f"no datastore at {path}: the directory does not exist; "
+                             f"build one with `python -m datastores build {path} ...`")
+    if not path.is_dir():
+        raise DatastoreError(f"{path} is a file, not a datastore directory; "
+                             f"pass the directory that `python -m datastores build` created")
+    meta_path = path / META_NAME
+    if not meta_path.exists():
+        raise DatastoreError(f"{path} is not a complete datastore: {META_NAME} is missing "
+                             f"(an interrupted build?); {rebuild_hint(path)}")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DatastoreError(f"{meta_path} is corrupt ({exc}); {rebuild_hint(path)}") from None
+    if not isinstance(meta, dict):
+        raise DatastoreError(f"{meta_path} is corrupt (not a JSON object); {rebuild_hint(path)}")
+    for key, typ in REQUIRED_META.items():
+        if not isinstance(meta.get(key), typ):
+            raise DatastoreError(f"{meta_path} is corrupt or incomplete (field {key!r} missing "
+                                 f"or not a {typ.__name__}); {rebuild_hint(path)}")
+    if meta["format"] != FORMAT_NAME:
+        raise DatastoreError(f"{path} holds {meta['format']!r}, not a {FORMAT_NAME}; {rebuild_hint(path)}")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise DatastoreError(f"{path} has format version {meta['format_version']}, this code reads "
+                             f"version {FORMAT_VERSION}; {rebuild_hint(path)}")
+    if meta["n_tokens"] < 1:
+        raise DatastoreError(f"{meta_path} is corrupt (n_tokens < 1); {rebuild_hint(path)}")
+    return meta
+
+
+class TokenDatastore:
+    """A memory-mapped static store; opening costs a few small reads whatever its size."""
+
+    source = "static"
+
+    def __init__(self, path: Path, meta: dict):
+        self.path = Path(path)
+        self.meta = meta
+        self.n_tokens = int(meta["n_tokens"])
+        self.n_docs = int(meta["n_docs"])
+        sa_dtype, suffix = index_dtype(self.n_tokens)
+        self._sa_name, self._ends_name = f"sa.{suffix}", f"ends.{suffix}"
+        self._maps = []
+        self._tok_mm = self._map(TOKENS_NAME)
+        self._sa_mm = self._map(self._sa_name)
+        self._ends_mm = self._map(self._ends_name)
+        self._tokens = np.frombuffer(self._tok_mm, dtype="<u4")  # (N,) token stream
+        self._sa = np.frombuffer(self._sa_mm, dtype=sa_dtype)  # (N,) forward end positions
+        self._ends = np.frombuffer(self._ends_mm, dtype=sa_dtype)  # (n_ends,) sorted ranks
+        self._ends_type = self._ends.dtype.type
+        self._windows: dict[int, np.ndarray] = {}  # continuation_len -> sliding view of the stream
+        self._sa_item = np.dtype(sa_dtype).itemsize
+        self._sa_unpack = struct.Struct("<I" if self._sa_item == 4 else "<Q").unpack_from
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, path, tokenizer=None) -> "TokenDatastore":
+        """Open a built store. With ``tokenizer``, refuse a store built by another one.
+
+        Checks on open: meta.json complete, every file present with the recorded size
+        (consistent with n_tokens) and the sampled-block hash. ``verify()`` hashes all.
+        """
+        path = Path(path)
+        meta = _read_meta(path)
+        n = meta["n_tokens"]
+        _, suffix = index_dtype(n)
+        item = 4 if suffix == "u32" else 8
+        expected = {TOKENS_NAME: 4 * n, f"sa.{suffix}": item * n, f"ends.{suffix}": None}
+        for name, want in expected.items():
+            rec = meta["files"].get(name)
+            if not isinstance(rec, dict) or not isinstance(rec.get("size"), int) \
+                    or not isinstance(rec.get("sample_sha256"), str):
+                raise DatastoreError(f"{path / META_NAME} is corrupt (no record for {name}); {rebuild_hint(path)}")
+            fpath = path / name
+            if not fpath.exists():
+                raise DatastoreError(f"{fpath} is missing; the store is incomplete; {rebuild_hint(path)}")
+            size = fpath.stat().st_size
+            want = rec["size"] if want is None else want
+            if size != rec["size"] or size != want or size == 0 or size % item:
+                raise DatastoreError(f"{fpath} has {size} bytes, expected {want} (truncated or replaced); "
+                                     f"{rebuild_hint(path)}")
+            if sample_hash(fpath, size) != rec["sample_sha256"]:
+                raise DatastoreError(f"{fpath} does not match its checksum (corrupt); {rebuild_hint(path)}")
+        if tokenizer is not None:
+            check_tokenizer(meta, tokenizer, path)
+        return cls(path, meta)
+
+    def _map(self, name: str) -> mmap.mmap:
+        with open(self.path / name, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._maps.append(mm)
+        return mm
+
+    def verify(self) -> None:
+        """Hash every file in full and compare with meta.json; raises DatastoreError."""
+        for name, rec in self.meta["files"].items():
+            fpath = self.path / name
+            if not fpath.exists() or full_hash(fpath) != rec.get("sha256"):
+                raise DatastoreError(f"{fpath} fails its full checksum (corrupt); {rebuild_hint(self.path)}")
+
+    def describe(self) -> str:
+        """Multi-line human summary (what `python -m datastores info` prints)."""
+        m, b = self.meta, self.meta["build"]
+        tok = m["tokenizer"]
+        sizes = {k: v["size"] for k, v in m["files"].items()}
+        total = sum(sizes.values())
+        lines = [f"datastore  {self.path}",
+                 f"tokenizer  {tok.get('name')}  (vocab {tok.get('vocab_size')}, fingerprint {str(tok.get('fingerprint'))[:16]})",
+                 f"tokens     {self.n_tokens:,} in {self.n_docs:,} documents"
+                 + ("  (cut at --max-tokens)" if b.get("truncated") else ""),
+                 f"built      {m['built_at']}"]
+        for s in m["sources"]:
+            counts = ", ".join(f"{k} {v:,}" for k, v in s.get("counts", {}).items())
+            lines.append(f"source     {s.get('kind')}: {', '.join(map(str, s.get('paths', []))) or '-'}  [{counts}]")
+        if "tokenize_s" in b:
+            lines.append(f"tokenize   {b['tokenize_s']:.1f} s  ({b.get('tokenize_tokens_per_s', 0):,.0f} tokens/s)")
+            lines.append(f"suffix arr {b['suffix_array_s']:.1f} s  ({b.get('suffix_array_tokens_per_s', 0):,.0f} tokens/s)")
+        lines.append("files      " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items())
+                     + f"  = {total / self.n_tokens:.2f} bytes/token")
+        return "\n".join(lines)
+
+    def warm(self, background: bool = False):
+        """Touch every page of the mapped files so later lookups pay no page faults.
+
+        A fresh mapping faults on first access to each 4 KiB page (microseconds each,
+        hundreds per lookup at first); a server calls this once after opening, with
+        background=True to keep opening instant (returns the thread).
+        """
+        def touch():
+            for arr in (self._tokens, self._sa, self._ends):
+                if arr is None:
+                    return
+                step = max(1, 4096 // arr.itemsize)
+                for a in range(0, arr.size, step << 12):  # 16 MiB-ish slices: lookups interleave
+                    int(arr[a:a + (step << 12):step].max())
+
+        if not background:
+            touch()
+            return None
+        import threading
+
+        t = threading.Thread(target=touch, name="datastore-warm", daemon=True)
+        t.start()
+        return t
+
+    def close(self) -> None:
+        self._windows = {}
+        self._tokens = self._sa = self._ends = None
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:  # an array view still alive elsewhere; the OS frees it later
+                pass
+        self._maps = []
+
+    def __repr__(self) -> str:
+        return f"TokenDatastore({str(self.path)!r}, n_tokens={self.n_tokens})"
+
+    # ------------------------------------------------------------------ search
+    def _key(self, rank: int, m: int) -> bytes:
+        """Backward string at SA rank ``rank``, at most m tokens, big-endian bytes."""
+        i = self._sa_unpack(self._sa_mm, rank * self._sa_item)[0]
+        s = i - m + 1
+        return self._tok_mm[(s if s > 0 else 0) * 4:(i + 1) * 4][::-1]
+
+    def _lower_bound(self, q: bytes, m: int, lo: int, hi: int) -> int:
+        """First rank in [lo, hi) whose m-token backward string is >= q."""
+        unpack, sa_mm, tok_mm, item = self._sa_unpack, self._sa_mm, self._tok_mm, self._sa_item
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            i = unpack(sa_mm, mid * item)[0]
+            s = i - m + 1
+            if tok_mm[(s if s > 0 else 0) * 4:(i + 1) * 4][::-1] < q:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _gallop(self, q: bytes, n: int, lo: int, hi: int) -> tuple[int, int]:
+        """Grow [lo, hi) (inside the block of ranks whose n-token key equals q) to the
+        whole block. Galloping costs O(log block) probes instead of O(log N)."""
+        key, N = self._key, self.n_tokens
+        step = 1  # left edge: find a rank below the block, then binary search
+        while lo - step >= 0 and key(lo - step, n) == q:
+            step <<= 1
+        lo = self._lower_bound(q, n, max(0, lo - step), lo)
+        step = 1  # right edge
+        while hi + step - 1 < N and key(hi + step - 1, n) == q:
+            step <<= 1
+        a, b = hi, min(N, hi + step - 1)
+        while a < b:  # first rank in [a, b) whose key != q (keys there are >= q)
+            mid = (a + b) >> 1
+            if key(mid, n) == q:
+                a = mid + 1
+            else:
+                b = mid
+        return lo, a
+
+    def _dead(self, lo: int, hi: int) -> int:
+        """How many ranks in [lo, hi) have no continuation."""
+        e, t = self._ends, self._ends_type  # typed keys: an untyped int makes numpy copy e
+        return int(e.searchsorted(t(hi))) - int(e.searchsorted(t(lo)))
+
+    def _live_ranks(self, a: int, b: int) -> np.ndarray:
+        """End positions at ranks [a, b) that have a continuation, in rank order. (k,) int64"""
+        pos = self._sa[a:b].astype(np.int64)
+        e, t = self._ends, self._ends_type
+        d0, d1 = int(e.searchsorted(t(a))), int(e.searchsorted(t(b)))
+        if d1 > d0:
+            keep = np.ones(b - a, dtype=bool)
+            keep[e[d0:d1].astype(np.int64) - a] = False
+            pos = pos[keep]
+        return pos
+
+    def _lcp(self, rank: int, q: bytes, m: int) -> int:
+        """Tokens the backward string at rank shares with q (at most m)."""
+        k = self._key(rank, m)
+        lo, hi = 0, min(len(k), len(q)) >> 2
+        while lo < hi:  # binary search on prefix equality: a few C comparisons
+            mid = (lo + hi + 1) >> 1
+            if k[:4 * mid] == q[:4 * mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _select_by_left_context(self, ext_b: bytes, e: int, lo: int, hi: int, k: int) -> np.ndarray:
+        """k live end positions in [lo, hi) sharing the longest reversed context ext_b.
+
+        The ranks sharing ext[:l] form a block around ext's insertion point, nested for
+        l = e, e-1, ...; take every occurrence of the largest block with fewer than k,
+        then fill from the next block out, half on each side nearest the inner block
+        (the odd one on the lower-rank side; fewer on a side that runs out).
+        """
+        pe = self._lower_bound(ext_b, e, lo, hi)
+        top = max([self._lcp(r, ext_b, e) for r in (pe - 1, pe) if lo <= r < hi] or [0])
+        inner = (pe, pe)  # block(top + 1): empty
+        blo, bhi, l = pe, pe, top
+        while True:  # terminates: block(matched_len) = [lo, hi) has more than k live
+            blo, bhi = self._gallop(ext_b[:4 * l], l, blo, bhi)
+            if (bhi - blo) - self._dead(blo, bhi) >= k:
+                break
+            inner = (blo, bhi)
+            # the block next grows at the longest agreement just outside it; the levels
+            # in between have this same block, so jump straight there
+            l = max(self._lcp(blo - 1, ext_b, e) if blo > lo else -1,
+                    self._lcp(bhi, ext_b, e) if bhi < hi else -1)
+        got = self._live_ranks(*inner)
+        need = k - got.size
+        avail_l = (inner[0] - blo) - self._dead(blo, inner[0])
+        avail_r = (bhi - inner[1]) - self._dead(inner[1], bhi)
+        take_l, take_r = (need + 1) // 2, need // 2
+        if avail_l < take_l:
+            take_l, take_r = avail_l, need - avail_l
+        elif avail_r < take_r:
+            take_l, take_r = need - avail_r, avail_r
+        a = inner[0] - take_l  # widen until the window holds take_l live ranks
+        while (inner[0] - a) - self._dead(a, inner[0]) < take_l:
+            a -= take_l - ((inner[0] - a) - self._dead(a, inner[0]))
+        b = inner[1] + take_r
+        while (b - inner[1]) - self._dead(inner[1], b) < take_r:
+            b += take_r - ((b - inner[1]) - self._dead(inner[1], b))
+        return np.concatenate([self._live_ranks(a, inner[0]), got, self._live_ranks(inner[1], b)])
+
+    def lookup(self, context: Sequence[int] | np.ndarray, n_max: int = 16, n_min: int = 2,
+               max_matches: int = 5000, continuation_len: int = 10) -> Lookup:
+        """Longest context suffix (n_max..n_min tokens) found in the store and what followed.
+
+        With more than ``max_matches`` occurrences, the chosen ones are those whose
+        preceding tokens agree longest with the context's (up to LEFT_CONTEXT_TOKENS
+        tokens back): matches in the same surroundings predict better. Among equally long
+        agreements, those nearest in SA order win (see `_select_by_left_context`). Rows
+        come in SA order; the choice is deterministic for a given store and context.
+        """
+        check_lookup_args(n_max, n_min, max_matches, continuation_len)
+        ext = query_tail(context, max(n_max, LEFT_CONTEXT_TOKENS))  # (<=ext,) int64
+        m = min(n_max, ext.size)
+        if m < n_min:
+            return empty_lookup(self.source, continuation_len)
+        ext_b = ext.astype("<u4").tobytes()[::-1]  # reversed context, big-endian tokens
+        q = ext_b[:4 * m]
+        N = self.n_tokens
+        p = self._lower_bound(q, m, 0, N)
+        # the ranks next to the insertion point share the longest prefix with q
+        best = max([self._lcp(r, q, m) for r in (p - 1, p) if 0 <= r < N] or [0])
+        lo = hi = p
+        n = best
+        while n >= n_min:
+            lo, hi = self._gallop(q[:4 * n], n, lo, hi)
+            live = (hi - lo) - self._dead(lo, hi)
+            if live > 0:
+                break
+            n -= 1  # only dead ends matched this long: try shorter
+        else:
+            return empty_lookup(self.source, continuation_len)
+
+        if live <= max_matches:
+            ends = self._live_ranks(lo, hi)
+        else:
+            ends = self._select_by_left_context(ext_b, ext.size, lo, hi, max_matches)
+        win = self._windows.get(continuation_len)
+        if win is None and N >= continuation_len:
+            win = self._windows[continuation_len] = sliding_window(self._tokens, continuation_len)
+        conts = gather_continuations(self._tokens, ends, continuation_len, N, win)
+        return Lookup(self.source, n, int(live), conts)
+
+
+def check_tokenizer(meta: dict, tokenizer, path: Path) -> None:
+    """Refuse a tokenizer other than the one the store was built with."""
+    from .build import tokenizer_fingerprint  # local: build pulls in heavier imports
+
+    fp = tokenizer_fingerprint(tokenizer)
+    built = meta["tokenizer"]
+    if fp != built.get("fingerprint"):
+        raise DatastoreError(
+            f"{path} was built with tokenizer {built.get('name')!r} (fingerprint {str(built.get('fingerprint'))[:12]}), "
+            f"not with the given {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} "
+            f"(fingerprint {fp[:12]}); token ids would not mean the same words. Rebuild it for this tokenizer "
+            f"with `python -m datastores build {path} --tokenizer NAME_OR_PATH ...`")
