@@ -101,8 +101,9 @@ def build_decoder(args, lm):
 
     static = open_static_store(args.datastore, lm.tokenizer)
     history = open_history(args.history, lm.tokenizer)
+    auto = args.budget == "auto"  # a fixed budget needs no cost curve
     return RestDecoder(lm, static_store=static, history_store=history, use_request_store=not args.no_request_store,
-                       budget_chooser=CostModel.for_model(lm))
+                       budget_chooser=CostModel.for_model(lm) if auto else None)
 
 
 def cmd_generate(args) -> int:
