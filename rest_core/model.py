@@ -152,12 +152,40 @@ def _friendly(name: str, source: str, err: Exception) -> ModelLoadError:
     return ModelLoadError(hint)
 
 
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers at all (a quick TCP check, so offline failures come fast)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _from_pretrained(loader, source: str, **kwargs):
+    """Local folders and cached hub files first; the hub only when it is reachable."""
+    if Path(source).exists():
+        return loader.from_pretrained(source, **kwargs)
+    try:
+        return loader.from_pretrained(source, local_files_only=True, **kwargs)
+    except Exception:  # noqa: BLE001 - not cached: ask the hub if there is one
+        if not hub_reachable():
+            raise OSError(f"{source!r} is neither a local folder nor in the Hugging Face cache, "
+                          f"and the hub cannot be reached from this machine") from None
+        return loader.from_pretrained(source, **kwargs)
+
+
 def load_tokenizer(model: Optional[str] = None, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     name, source = resolve_source(model)
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        return _from_pretrained(AutoTokenizer, source, trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001 - every failure becomes one clear message
         raise _friendly(name, source, err) from err
 
@@ -173,10 +201,10 @@ def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype:
         raise ModelLoadError("On the CPU only float32 is supported: drop --dtype or run on a GPU.")
     name, source = resolve_source(model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = _from_pretrained(AutoTokenizer, source, trust_remote_code=trust_remote_code)
         # sdpa/eager honour a custom 4D tree mask; flash-attention kernels would ignore it
-        net = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa",
-                                                   trust_remote_code=trust_remote_code)
+        net = _from_pretrained(AutoModelForCausalLM, source, dtype=torch_dtype, attn_implementation="sdpa",
+                               trust_remote_code=trust_remote_code)
     except Exception as err:  # noqa: BLE001
         raise _friendly(name, source, err) from err
     net.to(dev).eval()
