@@ -37,7 +37,7 @@ def show_token(text: str) -> str:
 
 def _label(text: str) -> str:
     """Token text safe inside plotly's HTML-like labels."""
-    return html.escape(show_token(text))
+    return html.escape(show_token(text), quote=False)
 
 
 def _style(fig: go.Figure, title: str, **layout) -> go.Figure:
@@ -106,7 +106,7 @@ def draft_tree_figure(step: dict) -> go.Figure:
         fig.add_trace(go.Scatter(
             x=[x[n["node"]] for n in members], y=[y[n["node"]] for n in members],
             customdata=[n["node"] for n in members], mode="markers+text",
-            text=[_label(n["token_text"]) for n in members], textposition="middle right",
+            text=[_label(n["token_text"]) for n in members], textposition="top center",
             textfont=dict(size=15, color=[ACCEPTED if n["accepted"] else "#222" for n in members]),
             marker=dict(color=SOURCE_COLOURS.get(source, YELLOW),
                         size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
@@ -351,3 +351,47 @@ def origin_text_html(steps: Sequence[dict], prompt: Optional[str] = None) -> str
             f'<div style="font-family:DejaVu Sans, sans-serif;font-size:15px;margin-bottom:10px">{legend}'
             f'<span style="color:#666">a grey bar marks the start of each step</span></div>{head}'
             f'<div style="white-space:pre-wrap">{"".join(spans)}</div></div>')
+
+
+# ------------------------------------------------------------------ datastore explorer
+
+def continuation_tree_figure(nodes: Sequence[dict]) -> go.Figure:
+    """The draft tree retrieval would propose, before any model checks it: depth left
+    to right, node size by retrieval score, colour by the store contributing most.
+    `nodes`: dicts with node, parent, depth, token_text, score, source (node 0 = root)."""
+    parents = [n["parent"] for n in nodes]
+    y = tree_layout(parents)
+    x = [n["depth"] for n in nodes]
+    fig = go.Figure()
+    ex, ey = [], []
+    for i in range(1, len(nodes)):
+        ex += [x[parents[i]], x[i], None]
+        ey += [y[parents[i]], y[i], None]
+    fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="#BBBBBB", width=1.5),
+                             hoverinfo="skip", name="draft edges", showlegend=False))
+    top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
+    total = nodes[0]["score"] if nodes and nodes[0]["score"] else top
+    for source in ["", *SOURCES, *sorted({n["source"] for n in nodes} - set(SOURCES) - {""})]:
+        members = [n for n in nodes if n["source"] == source]
+        if not members:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[x[n["node"]] for n in members], y=[y[n["node"]] for n in members],
+            customdata=[n["node"] for n in members], mode="markers+text",
+            text=[_label(n["token_text"]) for n in members], textposition="top center",
+            textfont=dict(size=15, color="#222"),
+            marker=dict(color=SOURCE_COLOURS.get(source, YELLOW), line=dict(color="white", width=1),
+                        size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
+                              for n in members]),
+            hovertext=[f"{_label(n['token_text'])}: depth {n['depth']}, "
+                       + ("the context's last token" if n["node"] == 0 else
+                          f"share of the retrieval weight {100 * (n['score'] or 0) / total:.0f}%")
+                       for n in members],
+            hoverinfo="text", name="last context token" if source == "" else f"from the {source} store"))
+    n_leaves = len(nodes) - len(set(parents) - {-1})
+    return _style(fig, f"The draft tree retrieval proposes: {len(nodes) - 1} tokens",
+                  height=max(380, 26 * (n_leaves + 1) + 160), showlegend=True,
+                  legend=dict(orientation="h", y=-0.12, x=0),
+                  xaxis=dict(title="depth (0 = last context token)", dtick=1, zeroline=False,
+                             range=[-0.4, max(x, default=0) + 1.6]),
+                  yaxis=dict(visible=False, autorange="reversed"), margin=dict(l=30, r=30, t=70, b=100))

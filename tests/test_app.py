@@ -1,0 +1,407 @@
+"""The page: its handlers driven directly, then the launched app called through its API.
+
+Most tests use the tiny random model from conftest (completion mode, no built-in
+store) so they run in seconds; tests marked `model` use the offline default model
+with a small store built in a temporary folder (never the big default store).
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import replace
+
+import plotly.graph_objects as go
+import pytest
+
+from conftest import make_tiny_lm
+from rest_core import app_support as sup
+from rest_core.recorder import TraceRecorder
+
+PROMPT_IDS = [5, 6, 7, 8, 9]
+PROMPT = " ".join(f"t{t}" for t in PROMPT_IDS)
+TINY = sup.Settings(model="tiny", mode="completion", static=sup.BUILT_IN, max_new_tokens=24, budget_mode="fixed",
+                    budget=8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_lm(max_positions=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tiny, tmp_path_factory):
+    """A static store holding the model's own greedy continuation of PROMPT among noise (so drafts hit)."""
+    import numpy as np
+    from datastores import build_from_token_documents
+    from rest_core.decode import DecodeConfig, plain_generate
+
+    plain = plain_generate(tiny, PROMPT_IDS, DecodeConfig(max_new_tokens=40, stop_at_eos=False))
+    noise = np.random.default_rng(0).integers(1, 60_000, size=300).tolist()
+    docs = [noise[:150] + PROMPT_IDS + plain.tokens + noise[150:], PROMPT_IDS[-2:] + noise[:10]]
+    return build_from_token_documents(tmp_path_factory.mktemp("store") / "tiny-store", docs)
+
+
+def tiny_engine(tiny, store, traces) -> sup.Engine:
+    engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: store,
+                        cost_factory=lambda lm: None, recorder=TraceRecorder(traces))
+    assert engine.start_static(engine.model(TINY.model)).finished.wait(30)
+    return engine
+
+
+@pytest.fixture
+def engine(tiny, tiny_store, tmp_path):
+    return tiny_engine(tiny, tiny_store, tmp_path / "traces.sqlite")
+
+
+@pytest.fixture
+def session(tmp_path, monkeypatch):
+    monkeypatch.setattr(sup, "sessions_root", lambda: tmp_path / "sessions")  # visitors' folders
+    return sup.Session(id="visitor-a")
+
+
+def run_turn(engine, session, settings, text):
+    return list(sup.chat_turn(engine, session, settings, text))
+
+
+# ---------------------------------------------------------------- handlers, directly
+
+def test_chat_turn_streams_the_answer_and_figures_from_stored_steps(engine, session, tiny):
+    views = run_turn(engine, session, TINY, PROMPT)
+    final = views[-1]
+    assert final.done and final.run_id is not None and not final.notice
+    streamed = [v for v in views if v.tree is not None]
+    assert streamed, "the figures are drawn while decoding"
+    assert all(isinstance(f, go.Figure) for v in streamed for f in (v.tree, v.mask, v.speed))
+    steps = engine.recorder.load_steps(final.run_id)
+    run = engine.recorder.get_run(final.run_id)
+    assert run["status"] == "done" and run["new_tokens"] == sum(len(s["new_tokens"]) for s in steps)
+    # the tinted answer is exactly the recorded tokens, and REST drafted some of them
+    answer = final.chat[-1]["content"]
+    assert answer.startswith('<div class="rest-answer">')
+    assert answer.count("<span") == run["new_tokens"]
+    assert sum(s["accepted_len"] for s in steps) > 0
+    assert 'data-state="done"' in final.metrics and "tokens / pass" in final.metrics
+    # the final figures show a stored step
+    shown = final.tree.layout.title.text
+    assert shown.startswith(f"Step {sup.best_step(steps)}:")
+    assert session.run_ids == [final.run_id]
+
+
+def test_greedy_race_reports_identical_outputs_and_records_the_comparison(engine, session):
+    views = list(sup.race(engine, session, TINY, PROMPT))
+    final = views[-1]
+    assert final.done and final.run_id is not None, final.notice
+    assert "Greedy outputs are identical" in final.metrics
+    assert "×" in final.metrics and "one after the other" in final.metrics
+    run = engine.recorder.get_run(final.run_id)
+    assert run["identical"] == 1 and run["speedup"] > 0 and run["plain_wall_s"] > 0
+    assert engine.recorder.load_steps(final.run_id), "the race's REST run can be stepped through"
+    assert any(v.plain for v in views[:-1]) and any(v.rest for v in views[:-1]), "both sides stream"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", "prompt is empty"),
+    ("   \n ", "prompt is empty"),
+    (" ".join(["t5"] * 300), "context holds 256"),
+])
+def test_bad_prompts_give_a_clear_message(engine, session, text, expected):
+    views = run_turn(engine, session, TINY, text)
+    assert views[-1].done and expected in views[-1].notice and views[-1].warning
+    assert "Traceback" not in views[-1].notice
+
+
+def test_chat_mode_without_a_chat_template_says_so(engine, session):
+    views = run_turn(engine, session, replace(TINY, mode="chat"), PROMPT)
+    assert "no chat template" in views[-1].notice
+
+
+def test_unknown_model_offline_is_a_clear_message(tmp_path, session, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import time
+    engine = sup.Engine(store_factory=lambda tok: None, recorder=TraceRecorder(tmp_path / "t.sqlite"))
+    views = run_turn(engine, session, replace(TINY, model="no-such-org/no-such-model-xyz"), "hello")
+    assert "Could not load model 'no-such-org/no-such-model-xyz'" in views[-1].notice
+    assert "no-such-org/no-such-model-xyz" in engine.status()
+
+
+def test_stopping_a_decode_ends_it_and_marks_the_run(engine, session):
+    import time
+
+    turn = sup.chat_turn(engine, session, replace(TINY, max_new_tokens=200), PROMPT)
+    for view in turn:
+        if view.tree is not None:
+            break
+    turn.close()  # what the page does when the visitor presses Stop or leaves
+    run_id = session.run_ids[-1]
+    deadline = time.time() + 60
+    while engine.recorder.get_run(run_id)["status"] == "running" and time.time() < deadline:
+        time.sleep(0.05)
+    run = engine.recorder.get_run(run_id)
+    assert run["status"] == "stopped" and run["new_tokens"] < 200
+    slot = engine.model(TINY.model)
+    assert slot.lock.acquire(timeout=30), "the model is free again"
+    slot.lock.release()
+
+
+def test_status_tells_while_the_built_in_store_is_built(tiny, tmp_path, session):
+    release = threading.Event()
+
+    def slow_store(tokenizer):
+        release.wait(30)
+        return None
+
+    engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=slow_store, cost_factory=lambda lm: None,
+                        recorder=TraceRecorder(tmp_path / "t.sqlite"))
+    assert "loads on first use" in engine.status()
+    views = run_turn(engine, session, replace(TINY, max_new_tokens=4), PROMPT)
+    assert "still being built" in views[1].notice and views[-1].done and not views[-1].notice
+    assert "building the built-in datastore" in engine.status() and not engine.ready()
+    release.set()
+    assert engine.model(TINY.model).static.finished.wait(30)
+    assert "no built-in datastore" in engine.status() and engine.ready()
+
+
+def test_bad_settings_are_refused_clearly(engine, session):
+    views = run_turn(engine, session, replace(TINY, n_min=9, n_max=4), PROMPT)
+    assert "n_min" in views[-1].notice
+
+
+def test_uploaded_store_needs_a_build_first(engine, session):
+    views = run_turn(engine, session, replace(TINY, static=sup.UPLOADED), PROMPT)
+    assert "No uploaded datastore yet" in views[-1].notice
+
+
+def test_step_view_explains_a_recorded_step(engine, session):
+    run_id = run_turn(engine, session, TINY, PROMPT)[-1].run_id
+    run, steps = sup.open_run(engine.recorder, session, run_id)
+    k = sup.best_step(steps)
+    view = sup.step_view(engine.recorder, run, k)
+    text = view["explanation"]
+    assert text.startswith(f"**Step {k}.**") and "static store matched the last" in text
+    assert "one forward pass" in text and "bonus token" in text
+    assert view["branches"] and view["choices"] and "accepted path" in view["path"]
+    assert isinstance(view["tree"], go.Figure) and isinstance(view["mask"], go.Figure)
+    assert "static" in view["suffix"]
+    accepted_rows = [r for r in view["choices"] if r[-1] == "✓"]
+    assert len(accepted_rows) == steps[k]["accepted_len"] + 1  # the root and every accepted draft
+
+
+def test_answer_html_stays_on_one_line():
+    """The chat renders Markdown: a raw line break (then four spaces) would turn the HTML into a code block."""
+    steps = [{"step": 0, "new_tokens": [1, 2, 3], "new_texts": ["def f():\n", "    return", " 1<2"], "accepted_len": 2,
+              "accepted_sources": ["static", "request"]}]
+    out = sup.origin_spans(steps, hide=frozenset({"<|im_end|>"}))
+    assert "\n" not in out and out.count("&#10;") == 1 and "1&lt;2" in out and out.count("<span") == 3
+    assert "\n" not in sup._user_bubble("a\n\n    b")["content"]
+
+
+def test_explanation_of_a_step_with_no_draft():
+    step = {"step": 3, "draft_size": 0, "matched_len": {"request": 0}, "branches": [], "new_tokens": [7],
+            "bonus_text": "x", "accepted_sources": [], "query_text": "ab",
+            "nodes": [{"node": 0, "parent": -1, "depth": 0, "token_text": "b", "accepted": 1, "model_choice_text": "x",
+                       "chosen": None}]}
+    text = sup.explain_step(step, {"settings": {}})
+    assert "request store found no match" in text and "ordinary one" in text and "committed 1 token " in text
+
+
+def test_runs_stay_their_owners(engine, session):
+    mine = run_turn(engine, session, TINY, PROMPT)[-1].run_id
+    other = sup.Session(id="visitor-b")
+    theirs = run_turn(engine, other, TINY, PROMPT)[-1].run_id
+    assert [r["id"] for r in sup.visible_runs(engine.recorder, session)] == [mine]
+    assert [r["id"] for r in sup.visible_runs(engine.recorder, other)] == [theirs]
+    with pytest.raises(KeyError):
+        sup.open_run(engine.recorder, session, theirs)
+    # a run recorded outside the page (the command line) is shown to everyone
+    cli = engine.recorder.start_run(model="m", tokenizer_name="t", stores=[], settings={}, prompt="p",
+                                    prompt_tokens=3)
+    assert cli in {r["id"] for r in sup.visible_runs(engine.recorder, session)}
+
+
+def test_history_store_drafts_from_the_visitors_own_answers(engine, session):
+    settings = replace(TINY, static=sup.NO_STATIC, history_store=True, request_store=False)
+    first = run_turn(engine, session, settings, "t11 t12 t13")[-1]
+    again = run_turn(engine, session, settings, "t11 t12 t13")[-1]
+    steps = engine.recorder.load_steps(again.run_id)
+    assert engine.recorder.get_run(first.run_id)["output"] == engine.recorder.get_run(again.run_id)["output"]
+    assert any("history" in (s["accepted_sources"] or []) for s in steps)
+
+
+# ---------------------------------------------------------------- uploads
+
+def test_uploads_are_checked(session, tmp_path):
+    with pytest.raises(sup.UploadError, match="No files"):
+        sup.save_uploads(session, [])
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\x00\x01\x02" * 100)
+    with pytest.raises(sup.UploadError, match="usable text"):
+        sup.save_uploads(session, [str(binary)])
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:  # sparse: 21 MB on paper, nothing on disk
+        f.truncate(21 * 2**20)
+    with pytest.raises(sup.UploadError, match="at most 20 MB"):
+        sup.save_uploads(session, [str(big)])
+    assert not session.folder.exists()
+
+
+def test_uploads_land_in_the_visitors_folder_only(session, tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "..evil name.py").write_text("print('hi')\n")
+    (src / "b.txt").write_text("hello world\n")
+    docs = sup.save_uploads(session, [str(src / "..evil name.py"), str(src / "b.txt")])
+    saved = sorted(p.name for p in session.files_dir.iterdir())
+    assert saved == sorted(name for name, _ in docs) and len(saved) == 2
+    assert all(p.resolve().parent == session.files_dir.resolve() for p in session.files_dir.iterdir())
+    assert {text for _, text in docs} == {"print('hi')\n", "hello world\n"}
+    with pytest.raises(sup.UploadError, match="not an uploaded file"):
+        sup.save_uploads(session, [str(src / "b.txt")], upload_root=tmp_path / "uploads")
+    sup.discard_session(session)
+    assert not session.folder.exists()
+
+
+@pytest.mark.model
+def test_upload_store_is_built_and_drafts(tmp_path, session):
+    from rest_core.model import load_model
+
+    engine = sup.Engine(lm_factory=lambda name: load_model(), store_factory=lambda tok: None,
+                        cost_factory=lambda lm: None, recorder=TraceRecorder(tmp_path / "t.sqlite"))
+    code = "def frobnicate_widgets(widget_list, factor):\n    return [w * factor for w in widget_list]\n"
+    (tmp_path / "mine.py").write_text(code * 3)
+    docs = sup.save_uploads(session, [str(tmp_path / "mine.py")])
+    store = sup.build_upload_store(session, docs, engine.model(None), progress=False)
+    assert store.n_tokens > 20 and "Your datastore" in sup.upload_summary(session, store)
+    out = sup.explore(engine, session, sup.Settings(static=sup.UPLOADED, request_store=False),
+                      "def frobnicate_widgets(widget", 16)
+    assert "**static**: longest suffix" in out["summary"] and out["continuations"]
+    assert any("list" in row[1] for row in out["continuations"])
+    assert isinstance(out["tree"], go.Figure) and len(out["tree"].data) >= 2
+
+
+# ---------------------------------------------------------------- the launched app, through its API
+
+@pytest.fixture(scope="module")
+def served(tiny, tiny_store, tmp_path_factory):
+    import app
+    from gradio_client import Client
+
+    traces = tmp_path_factory.mktemp("served") / "traces.sqlite"
+    demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: tiny_store,
+                          cost_factory=lambda lm: None, trace_db=str(traces), preload=False, defaults=TINY)
+    demo.queue()
+    _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
+    yield demo, url, Client
+    demo.close()
+
+
+def settings_args(settings: sup.Settings) -> list:
+    return [getattr(settings, f) for f in sup.Settings.__dataclass_fields__]
+
+
+def last_values(outputs: list) -> list:
+    """Per output, the last value that was not an 'unchanged' marker."""
+    last = [None] * len(outputs[0])
+    for out in outputs:
+        for i, value in enumerate(out):
+            if not (isinstance(value, dict) and value.get("__type__") == "update" and "value" not in value):
+                last[i] = value
+    return last
+
+
+def is_plot(value) -> bool:
+    return isinstance(value, dict) and value.get("type") == "plotly" and "draft" in str(value.get("plot", ""))
+
+
+def test_module_builds_the_page():
+    import app
+    import gradio as gr
+
+    assert isinstance(app.demo, gr.Blocks) and callable(app.build_demo)
+
+
+def test_api_chat_streams_figures(served):
+    demo, url, Client = served
+    client = Client(url, verbose=False)
+    job = client.submit(PROMPT, *settings_args(TINY), api_name="/chat")
+    outputs = [list(o) for o in job]
+    assert len(outputs) >= 3, "the answer streams"
+    chat, tree, mask, speed, metrics, notice = last_values(outputs)[:6]
+    assert chat[-1]["role"] == "assistant" and "rest-answer" in str(chat[-1]["content"])
+    assert is_plot(tree) and isinstance(mask, dict) and mask.get("type") == "plotly"
+    assert isinstance(speed, dict) and speed.get("type") == "plotly"
+    assert 'data-state="done"' in metrics
+    streamed_plots = [o for o in outputs[:-1] if isinstance(o[1], dict) and o[1].get("type") == "plotly"]
+    assert streamed_plots, "figures update while decoding, not only at the end"
+
+
+def test_api_race_reports_identical_greedy_outputs(served):
+    _, url, Client = served
+    client = Client(url, verbose=False)
+    plain, rest, verdict, speed, notice = last_values([list(o) for o in client.submit(
+        PROMPT, *settings_args(TINY), api_name="/race")])[:5]
+    assert "Greedy outputs are identical" in verdict
+    assert plain and "rest-answer" in rest
+    assert isinstance(speed, dict) and speed.get("type") == "plotly"
+
+
+@pytest.mark.parametrize("text, settings, expected", [
+    ("", TINY, "prompt is empty"),
+    (" ".join(["t5"] * 300), TINY, "context holds 256"),
+])
+def test_api_bad_input_shows_a_message(served, text, settings, expected):
+    _, url, Client = served
+    client = Client(url, verbose=False)
+    values = last_values([list(o) for o in client.submit(text, *settings_args(settings), api_name="/chat")])
+    notice = values[5]
+    assert expected in str(notice) and "Traceback" not in str(notice)
+
+
+def test_api_bad_upload_shows_a_message(served, tmp_path):
+    from gradio_client import handle_file
+
+    _, url, Client = served
+    client = Client(url, verbose=False)
+    blob = tmp_path / "blob.txt"  # a text name, binary content
+    blob.write_bytes(b"\x00" * 1000)
+    status, _, notice = client.predict([handle_file(str(blob))], "tiny", api_name="/build_datastore")
+    assert "usable text" in status and "usable text" in str(notice)
+    exe = tmp_path / "tool.exe"  # a type the upload refuses before the page sees it
+    exe.write_bytes(b"MZ" + b"\x00" * 100)
+    with pytest.raises(Exception, match="Invalid file type"):
+        client.predict([handle_file(str(exe))], "tiny", api_name="/build_datastore")
+
+
+def test_two_users_share_the_model_one_decode_at_a_time(served):
+    demo, url, Client = served
+    a, b = Client(url, verbose=False), Client(url, verbose=False)
+    jobs = [c.submit(PROMPT, *settings_args(TINY), api_name="/chat") for c in (a, b)]
+    finals = [last_values([list(o) for o in job]) for job in jobs]
+    assert all('data-state="done"' in f[4] for f in finals)
+    rec = demo.engine.recorder
+    runs_a, runs_b = (c.predict(api_name="/runs") for c in (a, b))
+    ids_a = {row[0] for row in runs_a["data"]}
+    ids_b = {row[0] for row in runs_b["data"]}
+    assert len(ids_a) == len(ids_b) == 1 and not ids_a & ids_b, "each user sees their own run only"
+    first, second = sorted((rec.get_run(i) for i in ids_a | ids_b), key=lambda r: r["started_at"])
+    assert second["started_at"] >= first["finished_at"], "the second decode waited for the first"
+    assert first["output"] == second["output"]
+
+
+def test_api_step_and_explore(served):
+    _, url, Client = served
+    client = Client(url, verbose=False)
+    final = last_values([list(o) for o in client.submit(PROMPT, *settings_args(TINY), api_name="/chat")])
+    run_id = client.predict(api_name="/runs")["data"][0][0]
+    explanation, suffix, branches, choices, path, tree, mask = client.predict(run_id, 0, api_name="/step")
+    assert explanation.startswith("**Step 0.**") and is_plot(tree)
+    summary, *_ = client.predict("t1 t5 t6 t7", 8, *settings_args(TINY), api_name="/explore")
+    assert "**static**: longest suffix 3 tokens" in summary and "draft tree: **8** tokens" in summary
+    assert final[0][-1]["role"] == "assistant"
