@@ -26,12 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .trace import SOURCES
 from .tree import DraftTree
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63)
 BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 0.95, 1.0001])  # score share bins
 PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior (share itself) in each bin
+MAX_COUNT = 5000.0  # per bin: older observations fade so the calibration keeps adapting
 
 
 @dataclass
@@ -41,8 +43,11 @@ class CostModel:
     grid: tuple[int, ...] = GRID
     times_ms: np.ndarray = field(default_factory=lambda: np.zeros(len(GRID)))  # median forward time per grid size
     max_budget: int = 63
-    drafted: np.ndarray = field(default_factory=lambda: np.zeros(len(BINS) - 1))
-    accepted: np.ndarray = field(default_factory=lambda: np.zeros(len(BINS) - 1))
+    # drafted / accepted node counts per (source of the node, score-share bin): a request-store draft
+    # with a given share is accepted far more often than a static-store one with the same share
+    drafted: np.ndarray = field(default_factory=lambda: np.zeros((len(SOURCES), len(BINS) - 1)))
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros((len(SOURCES), len(BINS) - 1)))
+    stats_path: Path | None = None  # where the acceptance counts persist between runs
     _recent: dict = field(default_factory=dict, repr=False)
 
     # -- construction ---------------------------------------------------------------
@@ -63,7 +68,7 @@ class CostModel:
                     cached = cls(times_ms=np.array(data["times_ms"], dtype=float))
                     now = measure_forward_curve(lm, grid=(1,), repeats=3)[0]
                     if abs(now - cached.times_ms[0]) <= 0.25 * cached.times_ms[0]:
-                        return cached
+                        return cached._with_stats(lm, cache)
             except (ValueError, KeyError, OSError):
                 pass
         model = cls(times_ms=measure_forward_curve(lm))
@@ -74,7 +79,13 @@ class CostModel:
                                             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}))
             except OSError:
                 pass
-        return model
+        return model._with_stats(lm, cache)
+
+    def _with_stats(self, lm, cache: bool) -> "CostModel":
+        if cache:
+            self.stats_path = _stats_path(lm)
+            self.load_stats()
+        return self
 
     # -- the cost curve ---------------------------------------------------------------
     def forward_ms(self, q: int) -> float:
@@ -85,10 +96,10 @@ class CostModel:
         return self.forward_ms(q) / self.times_ms[0]
 
     # -- the decision ---------------------------------------------------------------
-    def acceptance(self, shares: np.ndarray) -> np.ndarray:
-        """Calibrated chance that a node with this score share is accepted."""
-        b = np.clip(np.digitize(shares, BINS) - 1, 0, len(BINS) - 2)
-        return (self.accepted[b] + PRIOR_WEIGHT * shares) / (self.drafted[b] + PRIOR_WEIGHT)
+    def acceptance(self, shares: np.ndarray, sources: np.ndarray) -> np.ndarray:
+        """Calibrated chance that a node with this score share, drafted by this source, is accepted."""
+        b = _bins(shares)
+        return (self.accepted[sources, b] + PRIOR_WEIGHT * shares) / (self.drafted[sources, b] + PRIOR_WEIGHT)
 
     def choose(self, tree: DraftTree) -> int:
         """Best number of draft nodes (top by score) for this tree."""
@@ -96,8 +107,9 @@ class CostModel:
         if n == 0:
             return 0
         shares = tree.scores[1:] / tree.scores[0]
-        order = np.argsort(-shares, kind="stable")
-        gain = np.concatenate([[0.0], np.cumsum(self.acceptance(shares[order]))])  # (n+1,)
+        order = np.lexsort((np.arange(n), tree.depths[1:], -shares))  # the order prune_tree keeps nodes in
+        chance = self.acceptance(shares[order], _source_ids(tree)[order])
+        gain = np.concatenate([[0.0], np.cumsum(chance)])  # (n+1,) expected accepted drafts of the top b
         best, best_rate = 0, 1.0 / self.forward_ms(1)
         for b in CANDIDATE_BUDGETS:
             if b == 0 or b > n:
@@ -112,17 +124,56 @@ class CostModel:
         q = len(tree)
         if q > 1:
             shares = tree.scores[1:] / tree.scores[0]
-            bins = np.clip(np.digitize(shares, BINS) - 1, 0, len(BINS) - 2)
-            np.add.at(self.drafted, bins, 1.0)
+            cells = (_source_ids(tree), _bins(shares))
+            np.add.at(self.drafted, cells, 1.0)
             hit = np.zeros(q - 1)
             hit[[n - 1 for n in accepted_nodes[1:]]] = 1.0
-            np.add.at(self.accepted, bins, hit)
+            np.add.at(self.accepted, cells, hit)
+            full = self.drafted > MAX_COUNT
+            if full.any():
+                scale = np.where(full, MAX_COUNT / np.maximum(self.drafted, 1.0), 1.0)
+                self.drafted *= scale
+                self.accepted *= scale
         i = int(np.argmin(np.abs(np.array(self.grid) - q)))
         if self.grid[i] == q:  # refresh the curve with real step timings (median of the last few)
             recent = self._recent.setdefault(q, deque(maxlen=9))
             recent.append(forward_ms)
             if len(recent) >= 5:
                 self.times_ms[i] = float(np.median(recent))
+
+
+    def save_stats(self) -> None:
+        """Keep the acceptance counts for the next run (they depend on model and stores, not on hardware)."""
+        if self.stats_path is None:
+            return
+        try:
+            self.stats_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.stats_path.with_name(self.stats_path.name + f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps({"bins": BINS.tolist(), "sources": list(SOURCES),
+                                       "drafted": self.drafted.tolist(), "accepted": self.accepted.tolist()}))
+            os.replace(tmp, self.stats_path)
+        except OSError:
+            pass
+
+    def load_stats(self) -> None:
+        if self.stats_path is None or not self.stats_path.is_file():
+            return
+        try:
+            data = json.loads(self.stats_path.read_text())
+            if data["bins"] == BINS.tolist() and data["sources"] == list(SOURCES):
+                self.drafted = np.array(data["drafted"], dtype=float)
+                self.accepted = np.array(data["accepted"], dtype=float)
+        except (ValueError, KeyError, OSError):
+            pass
+
+
+def _bins(shares: np.ndarray) -> np.ndarray:
+    return np.clip(np.digitize(shares, BINS) - 1, 0, len(BINS) - 2)
+
+
+def _source_ids(tree: DraftTree) -> np.ndarray:
+    """(n,) source index of each draft node (root excluded)."""
+    return np.array([SOURCES.index(s) for s in tree.sources[1:]], dtype=np.int64)
 
 
 def measure_forward_curve(lm, prefix_len: int = 96, repeats: int = 3, grid: tuple[int, ...] = GRID) -> np.ndarray:
@@ -154,6 +205,13 @@ def measure_forward_curve(lm, prefix_len: int = 96, repeats: int = 3, grid: tupl
                 cache.crop(-q)
             times.append(float(np.median(samples)))
     return np.maximum.accumulate(np.array(times))  # more tokens never cost less
+
+
+def _stats_path(lm) -> Path:
+    from .model import cache_root
+
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in lm.name)
+    return cache_root() / "cost" / f"{safe}-acceptance.json"
 
 
 def _calibration_path(lm) -> Path | None:

@@ -277,6 +277,8 @@ class RestDecoder:
                 break
         res.wall_s = time.perf_counter() - start
         res.text = lm.tokenizer.decode(out, skip_special_tokens=True)
+        if self.budget_chooser is not None and cfg.draft_budget is None:
+            self.budget_chooser.save_stats()
         if update_history and self.history_store is not None and out:
             self.history_store.add(out)
             if getattr(self.history_store, "path", None) is not None:

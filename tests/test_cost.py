@@ -77,3 +77,20 @@ def test_cached_calibration_is_reused_only_while_it_still_holds(tiny_lm, tmp_pat
     assert calls[-1] == GRID and third.forward_ms(1) == 201.0
     saved = json.loads(next((tmp_path / "cost").glob("*.json")).read_text())
     assert saved["times_ms"][0] == 201.0
+
+
+def test_acceptance_is_learned_per_source_and_kept_between_runs(tmp_path):
+    rows = np.array([[11, 12, 13]] * 6 + [[21, 22, 23]] * 4)
+    static_tree = build_draft_tree(1, [OracleLookup("static", 3, 10, rows)], budget=63)
+    request_tree = build_draft_tree(1, [OracleLookup("request", 3, 10, rows)], budget=63)
+    model = CostModel(times_ms=curve(50.0, 4.0), stats_path=tmp_path / "acc.json")
+    for _ in range(200):
+        model.observe(static_tree, [0], forward_ms=60.0)  # static drafts never accepted
+        model.observe(request_tree, [0, 1, 3, 5], forward_ms=60.0)  # request drafts: the 11-12-13 chain always
+    assert model.choose(static_tree) == 0
+    assert model.choose(request_tree) >= 3
+    model.save_stats()
+    again = CostModel(times_ms=curve(50.0, 4.0), stats_path=tmp_path / "acc.json")
+    again.load_stats()
+    assert again.choose(static_tree) == 0 and again.choose(request_tree) == model.choose(request_tree)
+    np.testing.assert_allclose(again.accepted, model.accepted)
