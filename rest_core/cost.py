@@ -32,7 +32,7 @@ from .tree import DraftTree
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63)
 BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 0.95, 1.0001])  # score share bins
-PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior (share itself) in each bin
+PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior (the share itself) in each bin: learning wins soon
 MAX_COUNT = 5000.0  # per bin: older observations fade so the calibration keeps adapting
 
 

@@ -260,6 +260,9 @@ def _ids_json(ids) -> str:
     return "[" + ",".join(map(str, map(int, ids))) + "]"
 
 
+MAX_BRANCHES_PER_SOURCE = 32  # continuations stored per source and step (the most frequent ones)
+
+
 def trace_rows(run_id: int, t: StepTrace, texts: TokenTexts) -> tuple[tuple, list[tuple], list[tuple]]:
     """One step as (steps row, draft_nodes rows, branches rows), columns in *_COLUMNS order."""
     q = len(t.tree_tokens)
@@ -288,9 +291,22 @@ def trace_rows(run_id: int, t: StepTrace, texts: TokenTexts) -> tuple[tuple, lis
             float(t.tree_scores[i]), t.tree_sources[i], choices[i], texts[choices[i]],
             None if parent < 0 else int(choices[parent] == tokens[i]), int(i in on_path),
         ))
+    kept = _top_branches(t.branches, MAX_BRANCHES_PER_SOURCE)
     branch_rows = [(run_id, t.step, k, b.source, _ids_json(b.tokens), texts.join(b.tokens), int(b.count))
-                   for k, b in enumerate(t.branches)]
+                   for k, b in enumerate(kept)]
     return step_row, node_rows, branch_rows
+
+
+def _top_branches(branches, limit: int) -> list:
+    """The `limit` most frequent continuations of each source, in the trace's order (a short match in a
+    big store can return thousands of distinct ones; storing them all would cost more than the step)."""
+    ranked: dict[str, list[int]] = {}
+    for i, b in enumerate(branches):
+        ranked.setdefault(b.source, []).append(i)
+    keep = set()
+    for idx in ranked.values():
+        keep.update(sorted(idx, key=lambda i: (-branches[i].count, branches[i].tokens))[:limit])
+    return [b for i, b in enumerate(branches) if i in keep]
 
 
 def _decode_json(row: dict) -> dict:

@@ -342,3 +342,17 @@ def test_prompt_ids_default_path_and_finish_keeping_counts(tmp_path, monkeypatch
     assert (run["status"], run["steps"], run["new_tokens"]) == ("stopped", 2, sum(len(t.new_tokens) for t in traces))
     assert rec.load_step(run_id, 0)["bonus_text"] == f"<{traces[0].bonus_token}>"
     rec.close()
+
+
+def test_only_the_most_frequent_continuations_per_source_are_stored(tmp_path):
+    from rest_core.recorder import MAX_BRANCHES_PER_SOURCE, TraceRecorder, _top_branches
+    from rest_core.trace import Branch
+
+    many = [Branch("static", (i, i + 1), count=1 + (i % 7)) for i in range(200)]
+    few = [Branch("request", (5, 6, 7), count=3), Branch("request", (5, 9), count=1)]
+    kept = _top_branches(many + few, MAX_BRANCHES_PER_SOURCE)
+    static = [b for b in kept if b.source == "static"]
+    assert len(static) == MAX_BRANCHES_PER_SOURCE
+    assert min(b.count for b in static) >= max(b.count for b in many if b not in static)
+    assert [b for b in kept if b.source == "request"] == few
+    assert kept == [b for b in many + few if b in kept]  # the trace's order is kept
