@@ -176,7 +176,7 @@ def _source_ids(tree: DraftTree) -> np.ndarray:
     return np.array([SOURCES.index(s) for s in tree.sources[1:]], dtype=np.int64)
 
 
-def measure_forward_curve(lm, prefix_len: int = 96, repeats: int = 3, grid: tuple[int, ...] = GRID) -> np.ndarray:
+def measure_forward_curve(lm, prefix_len: int = 256, repeats: int = 5, grid: tuple[int, ...] = GRID) -> np.ndarray:
     """Median time (ms) of one forward pass over q tokens after a prefix, for every q in grid."""
     from transformers import DynamicCache
 
@@ -204,7 +204,20 @@ def measure_forward_curve(lm, prefix_len: int = 96, repeats: int = 3, grid: tupl
                     samples.append((time.perf_counter() - t0) * 1e3)
                 cache.crop(-q)
             times.append(float(np.median(samples)))
-    return np.maximum.accumulate(np.array(times))  # more tokens never cost less
+    return monotone_fit(np.array(times))  # more tokens never cost less
+
+
+def monotone_fit(values: np.ndarray) -> np.ndarray:
+    """Closest non-decreasing sequence (pool adjacent violators): one noisy spike is averaged with its
+    neighbours instead of lifting every later point, as a running maximum would."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values.astype(float):
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return np.concatenate([np.full(int(c), t / c) for t, c in blocks])
 
 
 def _stats_path(lm) -> Path:

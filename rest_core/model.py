@@ -208,6 +208,10 @@ def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype:
     except Exception as err:  # noqa: BLE001
         raise _friendly(name, source, err) from err
     net.to(dev).eval()
+    if dev.type == "cpu":
+        # Let SDPA share key/value heads across query heads (grouped-query attention) also when a
+        # tree mask is given; otherwise every verify pass copies the whole cache per layer. Same numbers.
+        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     return LoadedModel(model=net, tokenizer=tokenizer, name=name, source=source, device=dev, dtype=torch_dtype)
 
 

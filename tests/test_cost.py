@@ -94,3 +94,13 @@ def test_acceptance_is_learned_per_source_and_kept_between_runs(tmp_path):
     again.load_stats()
     assert again.choose(static_tree) == 0 and again.choose(request_tree) == model.choose(request_tree)
     np.testing.assert_allclose(again.accepted, model.accepted)
+
+
+def test_monotone_fit_averages_a_spike_instead_of_lifting_everything_after_it():
+    from rest_core.cost import monotone_fit
+
+    fitted = monotone_fit(np.array([50.0, 90.0, 60.0, 62.0, 100.0]))
+    assert np.all(np.diff(fitted) >= 0)
+    assert fitted[0] == 50.0 and fitted[-1] == 100.0
+    assert fitted[1] == fitted[2] == fitted[3] == (90.0 + 60.0 + 62.0) / 3
+    np.testing.assert_array_equal(monotone_fit(np.array([1.0, 2.0, 3.0])), [1.0, 2.0, 3.0])
