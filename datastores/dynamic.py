@@ -220,6 +220,16 @@ class _NgramIndex:
                 p.shift(cut)
 
 
+def _index_lookup(index: "_NgramIndex", source: str, context, n_max: int, n_min: int, max_matches: int,
+                  continuation_len: int) -> Lookup:
+    """The one lookup rule of both dynamic stores: longest suffix, then its continuations."""
+    check_lookup_args(n_max, n_min, max_matches, continuation_len)
+    n, total, ends = index.match(context, n_max, n_min, max_matches)
+    if not n:
+        return empty_lookup(source, continuation_len)
+    return Lookup(source, n, total, index.gather(ends, continuation_len))
+
+
 class RequestStore:
     """The current request (prompt + answer so far), extended as tokens are accepted.
 
@@ -252,11 +262,7 @@ class RequestStore:
 
     def lookup(self, context, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
                continuation_len: int = 10) -> Lookup:
-        check_lookup_args(n_max, n_min, max_matches, continuation_len)
-        n, total, ends = self._index.match(context, n_max, n_min, max_matches)
-        if not n:
-            return empty_lookup(self.source, continuation_len)
-        return Lookup(self.source, n, total, self._index.gather(ends, continuation_len))
+        return _index_lookup(self._index, self.source, context, n_max, n_min, max_matches, continuation_len)
 
 
 class HistoryStore:
@@ -316,11 +322,7 @@ class HistoryStore:
 
     def lookup(self, context, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
                continuation_len: int = 10) -> Lookup:
-        check_lookup_args(n_max, n_min, max_matches, continuation_len)
-        n, total, ends = self._index.match(context, n_max, n_min, max_matches)
-        if not n:
-            return empty_lookup(self.source, continuation_len)
-        return Lookup(self.source, n, total, self._index.gather(ends, continuation_len))
+        return _index_lookup(self._index, self.source, context, n_max, n_min, max_matches, continuation_len)
 
     # ------------------------------------------------------------------ persistence
     def save(self, path=None) -> None:
