@@ -65,9 +65,10 @@ class LoadedModel:
 
 
 def cache_root() -> Path:
-    root = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "rest-lab")
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+    """The project cache (REST_LAB_CACHE or ~/.cache/rest-lab): one definition, the datastores'."""
+    from datastores import cache_dir
+
+    return cache_dir()
 
 
 def default_model_name() -> str:
