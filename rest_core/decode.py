@@ -15,7 +15,7 @@ root alone: an ordinary one-token step, never a dummy draft.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -220,13 +220,15 @@ class RestDecoder:
         out: list[int] = []
         res = DecodeResult(list(prompt), out, "", 0, 0.0, prefill_s, "context",
                            phase_ms={p: 0.0 for p in ("retrieve", "tree", "forward", "verify", "commit")})
+        chooser = self.budget_chooser if cfg.draft_budget is None else None
+        if cfg.draft_budget is not None:
+            max_budget = cfg.draft_budget
+        else:
+            max_budget = chooser.max_budget if chooser is not None else DEFAULT_BUDGET
         step = 0
         while len(out) < room:
             prefix_len = len(context) - 1
-            chooser = self.budget_chooser if cfg.draft_budget is None else None
-            budget = cfg.draft_budget if cfg.draft_budget is not None else (
-                chooser.max_budget if chooser is not None else DEFAULT_BUDGET)
-            budget = max(0, min(budget, lm.max_positions - prefix_len - 1))
+            budget = max(0, min(max_budget, lm.max_positions - prefix_len - 1))
 
             t0 = time.perf_counter()
             query = query_suffix(context, cfg.retrieve)
@@ -277,8 +279,8 @@ class RestDecoder:
                 break
         res.wall_s = time.perf_counter() - start
         res.text = lm.tokenizer.decode(out, skip_special_tokens=True)
-        if self.budget_chooser is not None and cfg.draft_budget is None:
-            self.budget_chooser.save_stats()
+        if chooser is not None:
+            chooser.save_stats()
         if update_history and self.history_store is not None and out:
             self.history_store.add(out)
             if getattr(self.history_store, "path", None) is not None:
@@ -308,6 +310,3 @@ class RestDecoder:
             accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
             new_tokens=list(new), timings_ms=timings)
 
-
-def with_overrides(cfg: DecodeConfig, **kwargs) -> DecodeConfig:
-    return replace(cfg, **kwargs)

@@ -76,24 +76,29 @@ def disagreement(step: dict) -> tuple[int, list[str], str]:
     return last, drafted, nodes[last]["model_choice_text"]
 
 
-def draft_tree_figure(step: dict) -> go.Figure:
-    """The draft tree of one step: depth left to right, the accepted path in
-    vermillion, node size by retrieval score, colour by source, and at the last
-    accepted node what the draft offered against what the model chose."""
-    nodes = step["nodes"]
+def _tree_skeleton(nodes: Sequence[dict]) -> tuple[go.Figure, list, list]:
+    """A figure holding the tree's edges, and the node coordinates (x = depth, y = tidy layout)."""
     parents = [n["parent"] for n in nodes]
     y = tree_layout(parents)
     x = [n["depth"] for n in nodes]
-    path = [n["node"] for n in nodes if n["accepted"]]
-    last, drafted, model_text = disagreement(step)
     fig = go.Figure()
-
     ex, ey = [], []
     for i in range(1, len(nodes)):
         ex += [x[parents[i]], x[i], None]
         ey += [y[parents[i]], y[i], None]
     fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="#BBBBBB", width=1.5),
                              hoverinfo="skip", name="draft edges", showlegend=False))
+    return fig, x, y
+
+
+def draft_tree_figure(step: dict) -> go.Figure:
+    """The draft tree of one step: depth left to right, the accepted path in
+    vermillion, node size by retrieval score, colour by source, and at the last
+    accepted node what the draft offered against what the model chose."""
+    nodes = step["nodes"]
+    path = [n["node"] for n in nodes if n["accepted"]]
+    last, drafted, model_text = disagreement(step)
+    fig, x, y = _tree_skeleton(nodes)
     fig.add_trace(go.Scatter(x=[x[i] for i in path], y=[y[i] for i in path], customdata=path,
                              mode="lines", line=dict(color=ACCEPTED, width=6), hoverinfo="skip",
                              name="accepted path"))
@@ -138,7 +143,7 @@ def draft_tree_figure(step: dict) -> go.Figure:
     fig.add_annotation(x=x[last] + 1, y=bonus_y, text=note, showarrow=False, xanchor="left", yanchor="top",
                        yshift=-16, font=dict(size=16, color=MODEL), bgcolor="rgba(255,255,255,0.9)",
                        bordercolor=MODEL, name="disagreement")
-    n_leaves = len(nodes) - len(set(parents) - {-1})
+    n_leaves = len(nodes) - len({n["parent"] for n in nodes} - {-1})
     accepted = len(path) - 1
     return _style(
         fig, f"Step {step['step']}: {len(nodes) - 1} draft tokens, {accepted} accepted + 1 from the model",
@@ -359,16 +364,7 @@ def continuation_tree_figure(nodes: Sequence[dict]) -> go.Figure:
     """The draft tree retrieval would propose, before any model checks it: depth left
     to right, node size by retrieval score, colour by the store contributing most.
     `nodes`: dicts with node, parent, depth, token_text, score, source (node 0 = root)."""
-    parents = [n["parent"] for n in nodes]
-    y = tree_layout(parents)
-    x = [n["depth"] for n in nodes]
-    fig = go.Figure()
-    ex, ey = [], []
-    for i in range(1, len(nodes)):
-        ex += [x[parents[i]], x[i], None]
-        ey += [y[parents[i]], y[i], None]
-    fig.add_trace(go.Scatter(x=ex, y=ey, mode="lines", line=dict(color="#BBBBBB", width=1.5),
-                             hoverinfo="skip", name="draft edges", showlegend=False))
+    fig, x, y = _tree_skeleton(nodes)
     top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
     total = nodes[0]["score"] if nodes and nodes[0]["score"] else top
     for source in ["", *SOURCES, *sorted({n["source"] for n in nodes} - set(SOURCES) - {""})]:
@@ -388,7 +384,7 @@ def continuation_tree_figure(nodes: Sequence[dict]) -> go.Figure:
                           f"share of the retrieval weight {100 * (n['score'] or 0) / total:.0f}%")
                        for n in members],
             hoverinfo="text", name="last context token" if source == "" else f"from the {source} store"))
-    n_leaves = len(nodes) - len(set(parents) - {-1})
+    n_leaves = len(nodes) - len({n["parent"] for n in nodes} - {-1})
     return _style(fig, f"The draft tree retrieval proposes: {len(nodes) - 1} tokens",
                   height=max(380, 26 * (n_leaves + 1) + 160), showlegend=True,
                   legend=dict(orientation="h", y=-0.12, x=0),
