@@ -14,9 +14,9 @@ from pathlib import Path
 
 import gradio as gr
 
-from rest_core import app_support as sup
+from rest_core.app import support as sup
 from rest_core.model import DEFAULT_MODEL
-from rest_core.recorder import TraceRecorder
+from rest_core.traces.recorder import TraceRecorder
 
 try:  # on Hugging Face Spaces with ZeroGPU the decode handlers borrow a GPU
     import spaces
@@ -375,7 +375,7 @@ def build_demo(lm_factory=None, store_factory=None, cost_factory=None, trace_db=
             except (KeyError, ValueError, TypeError, IndexError) as err:
                 gr.Warning(str(err))
                 return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), sess
-            from rest_core import figures
+            from rest_core.traces import figures
 
             return (figures.origin_text_html(steps, prompt=run.get("prompt")),
                     sup.fit(figures.speed_figure(steps, run), 460), sup.panel(figures.acceptance_histogram(steps), 420),

@@ -1,22 +1,28 @@
 """Token datastores for retrieval-based drafting.
 
+* `Store` -- the seam: a ``source`` name and ``lookup(...)`` answering with a `Lookup`
+  (the longest context suffix found and the tokens that followed); `StoreBase` gives
+  the no-op request lifecycle (``begin`` / ``extend`` / ``end``).
 * `TokenDatastore` -- the static on-disk store (token stream + reversed suffix array),
   built once from a corpus by `build_datastore` / ``python -m datastores build``.
 * `RequestStore` -- the current request (prompt + answer so far).
 * `HistoryStore` -- past answers, optionally persisted.
-
-All three answer ``lookup(context, n_max, n_min, max_matches, continuation_len)`` with
-a `Lookup`: the longest context suffix found and the tokens that followed it.
+* `assemble_stores` -- the one place a decode's stores are put together; the built-in
+  Python store (`open_default_store`) and history (`open_history`) live beside it.
 """
-from .build import (build_datastore, build_from_token_documents, cache_dir, reversed_suffix_array,
-                    tokenizer_fingerprint)
-from .common import SEP, DatastoreError, Lookup
-from .dynamic import HistoryStore, RequestStore
-from .sources import (DocumentSource, default_python_roots, iter_documents, iter_jsonl,
-                      iter_python_sources, iter_text_files)
-from .static import TokenDatastore
+from datastores.build import build_datastore, build_from_token_documents, reversed_suffix_array
+from datastores.builtin import (assemble_stores, default_history_path, default_store_path, open_default_store,
+                                open_history, open_static_store, store_labels)
+from datastores.common import SEP, DatastoreError, Lookup, Store, StoreBase, cache_dir
+from datastores.dynamic import HistoryStore, RequestStore
+from datastores.fingerprint import check_tokenizer, tokenizer_fingerprint
+from datastores.sources import (DocumentSource, default_python_roots, iter_documents, iter_jsonl,
+                                iter_python_sources, iter_text_files)
+from datastores.static import TokenDatastore
 
-__all__ = ["SEP", "DatastoreError", "Lookup", "TokenDatastore", "RequestStore", "HistoryStore",
-           "build_datastore", "build_from_token_documents", "tokenizer_fingerprint", "reversed_suffix_array", "cache_dir",
+__all__ = ["SEP", "DatastoreError", "Lookup", "Store", "StoreBase", "TokenDatastore", "RequestStore", "HistoryStore",
+           "build_datastore", "build_from_token_documents", "tokenizer_fingerprint", "check_tokenizer",
+           "reversed_suffix_array", "cache_dir", "assemble_stores", "store_labels", "open_static_store",
+           "open_history", "open_default_store", "default_store_path", "default_history_path",
            "DocumentSource", "default_python_roots", "iter_documents", "iter_jsonl",
            "iter_python_sources", "iter_text_files"]

@@ -1,6 +1,6 @@
 """``python -m datastores build|info|bench ...``"""
 import sys
 
-from .cli import main
+from rest_core.datastore_cli import main
 
 sys.exit(main())

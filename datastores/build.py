@@ -27,43 +27,16 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .common import SEP, DatastoreError
-from .sources import DocumentSource, iter_documents, python_version_tag
-from .static import (FORMAT_NAME, FORMAT_VERSION, META_NAME, TOKENS_NAME, TokenDatastore,
+from datastores.common import SEP, DatastoreError, cache_dir
+from datastores.fingerprint import tokenizer_fingerprint
+from datastores.sources import DocumentSource, iter_documents, python_version_tag
+from datastores.static import (FORMAT_NAME, FORMAT_VERSION, META_NAME, TOKENS_NAME, TokenDatastore,
                      file_record, index_dtype)
 
 BATCH_CHARS = 1 << 20  # text per tokenizer call: big enough to use the Rust threads
 BATCH_DOCS = 512
 
 __all__ = ["build_datastore", "build_from_token_documents", "tokenizer_fingerprint", "reversed_suffix_array", "cache_dir"]
-
-
-def cache_dir() -> Path:
-    """REST_LAB_CACHE or ~/.cache/rest-lab, created on demand."""
-    d = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "rest-lab").expanduser()
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Stable sha256 over the vocabulary (token -> id) and the special tokens.
-
-    Two tokenizers with the same fingerprint map text to the same ids for all practical
-    purposes; the fingerprint does not depend on the tokenizer's class or load path.
-    """
-    try:
-        vocab = tokenizer.get_vocab()
-    except Exception as exc:  # noqa: BLE001 - any tokenizer-side failure is the same problem
-        raise DatastoreError(f"cannot read the tokenizer's vocabulary ({exc}); pass a Hugging Face "
-                             "tokenizer (it must have get_vocab())") from None
-    h = hashlib.sha256()
-    for tok, idx in sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])):
-        h.update(f"{idx}\t{tok}\n".encode("utf-8", "surrogatepass"))
-    specials = getattr(tokenizer, "all_special_tokens", None) or []
-    h.update(b"\x00special\x00")
-    for tok in sorted(set(map(str, specials))):
-        h.update(f"{tok}\t{vocab.get(tok, -1)}\n".encode("utf-8", "surrogatepass"))
-    return h.hexdigest()
 
 
 def _tokenizer_name(tokenizer) -> str:

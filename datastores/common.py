@@ -14,14 +14,24 @@ semantics, so the pieces that define that semantics live here once:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence, runtime_checkable
+
+import os
+from pathlib import Path
 
 import numpy as np
 
 SEP: int = 0xFFFFFFFF  # document separator in every token stream; never a real token
 
-__all__ = ["SEP", "DatastoreError", "Lookup", "query_tail", "gather_continuations",
-           "check_lookup_args"]
+__all__ = ["SEP", "DatastoreError", "Lookup", "Store", "StoreBase", "query_tail", "gather_continuations",
+           "check_lookup_args", "cache_dir"]
+
+
+def cache_dir() -> Path:
+    """REST_LAB_CACHE or ~/.cache/rest-lab, created on demand."""
+    d = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "rest-lab").expanduser()
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 class DatastoreError(Exception):
@@ -37,7 +47,7 @@ class Lookup:
     ``matched_len == 0`` and ``continuations`` has shape ``(0, L)``.
     """
 
-    source: str  # "static" | "request" | "history"
+    source: str  # the store's draft source name ("static", "request", "history", ...)
     matched_len: int  # length of the longest context suffix found (0 = none)
     total_matches: int  # occurrences of that suffix (with a continuation) in the store
     continuations: np.ndarray = field(repr=False)  # (k, L) int64, k <= max_matches
@@ -45,6 +55,52 @@ class Lookup:
     def __repr__(self) -> str:  # keeps logs short: shape instead of the whole array
         return (f"Lookup(source={self.source!r}, matched_len={self.matched_len}, "
                 f"total_matches={self.total_matches}, continuations=shape{tuple(self.continuations.shape)})")
+
+
+@runtime_checkable
+class Store(Protocol):
+    """The one seam between the decoder and anything it drafts from.
+
+    ``source`` names the draft source (the draft tree, the cost model, the traces and
+    the figures know a store's drafts by it); ``lookup`` answers with the longest
+    context suffix it holds and the continuations that followed.  The decoder tells
+    every store where a request stands: ``begin`` with the prompt, ``extend`` with
+    each step's committed tokens, ``end`` with the whole answer.  A store that does
+    not change while decoding inherits the no-op versions from `StoreBase`.
+    """
+
+    source: str
+
+    def lookup(self, context, n_max: int, n_min: int, max_matches: int, continuation_len: int) -> Lookup: ...
+
+    def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None: ...
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+
+    def end(self, answer: Sequence[int], remember: bool) -> None: ...
+
+    @property
+    def label(self) -> str: ...
+
+
+class StoreBase:
+    """No-op request lifecycle for stores that do not change while decoding."""
+
+    source = ""
+
+    def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
+        """A request starts with this prompt, looked up with suffixes of n_min..n_max tokens."""
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """The decoder committed these tokens."""
+
+    def end(self, answer: Sequence[int], remember: bool) -> None:
+        """The request finished with this answer; `remember` asks stores that learn to keep it."""
+
+    @property
+    def label(self) -> str:
+        """How runs and reports name this store."""
+        return self.source
 
 
 def empty_lookup(source: str, continuation_len: int) -> Lookup:

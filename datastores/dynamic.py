@@ -26,8 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .common import (SEP, DatastoreError, Lookup, check_lookup_args, empty_lookup,
-                     gather_continuations, query_tail)
+from datastores.common import (SEP, DatastoreError, Lookup, StoreBase, check_lookup_args, empty_lookup,
+                               gather_continuations, query_tail)
 
 _MASK = (1 << 64) - 1
 _M1 = 0x9E3779B97F4A7C15
@@ -230,11 +230,12 @@ def _index_lookup(index: "_NgramIndex", source: str, context, n_max: int, n_min:
     return Lookup(source, n, total, index.gather(ends, continuation_len))
 
 
-class RequestStore:
+class RequestStore(StoreBase):
     """The current request (prompt + answer so far), extended as tokens are accepted.
 
     The occurrence that *is* the end of the stored tokens has nothing after it and is
     never a match, so looking up the store's own tokens finds earlier repeats only.
+    ``begin`` starts it afresh for each request, indexed for that request's suffix lengths.
     """
 
     source = "request"
@@ -243,6 +244,11 @@ class RequestStore:
         self._index = _NgramIndex(n_max, n_min)
         self.n_max, self.n_min = n_max, n_min
         self.extend(tokens)
+
+    def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
+        self._index = _NgramIndex(n_max, n_min)
+        self.n_max, self.n_min = n_max, n_min
+        self.extend(prompt)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append accepted tokens; indexes only the new n-grams."""
@@ -265,7 +271,7 @@ class RequestStore:
         return _index_lookup(self._index, self.source, context, n_max, n_min, max_matches, continuation_len)
 
 
-class HistoryStore:
+class HistoryStore(StoreBase):
     """Past answers, one document each, optionally persisted to ``path``.
 
     When the total passes ``max_tokens`` the oldest answers are dropped (an answer longer
@@ -283,6 +289,24 @@ class HistoryStore:
         self._reset()
         if self.path is not None and self.path.exists():
             self.load()
+
+    @property
+    def label(self) -> str:
+        return f"history:{self.path}" if self.path is not None else "history"
+
+    def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
+        """Re-index the kept answers when a request looks up shorter or longer suffixes than indexed."""
+        if (n_max, n_min) != (self.n_max, self.n_min):
+            answers = self.answers()
+            self.n_max, self.n_min = n_max, n_min
+            self._reset()
+            for a in answers:
+                self.add(a)
+
+    def end(self, answer: Sequence[int], remember: bool) -> None:
+        """Keep the finished answer in memory (saving it is the owner's call: `save`)."""
+        if remember and len(answer):
+            self.add(answer)
 
     def _reset(self) -> None:
         self._index = _NgramIndex(self.n_max, self.n_min)

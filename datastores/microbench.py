@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .common import SEP
+from datastores.common import SEP
 
 __all__ = ["contexts_from_store", "contexts_from_texts", "time_lookups", "bench_store", "format_report"]
 
@@ -100,7 +100,7 @@ def bench_store(store, tokenizer=None, heldout_texts: Sequence[str] = (), count:
 
 def read_heldout(paths: Sequence[str | Path], max_files: int = 400, max_bytes: int = 8 << 20) -> list[str]:
     """Texts of up to max_files files (folders walked for *.py) for held-out contexts."""
-    from .sources import iter_text_files
+    from datastores.sources import iter_text_files
 
     texts, total = [], 0
     for p in paths:

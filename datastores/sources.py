@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-from .common import DatastoreError
+from datastores.common import DatastoreError
 
 MAX_FILE_BYTES = 4 << 20  # larger files are nearly always generated tables, poor drafts
 SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".mypy_cache", ".pytest_cache"}

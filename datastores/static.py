@@ -34,7 +34,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .common import (DatastoreError, Lookup, check_lookup_args, empty_lookup,
+from datastores.fingerprint import check_tokenizer
+from datastores.common import (DatastoreError, Lookup, StoreBase, check_lookup_args, empty_lookup,
                      gather_continuations, query_tail, sliding_window)
 
 FORMAT_NAME = "rest-lab-token-datastore"
@@ -117,10 +118,14 @@ def _read_meta(path: Path) -> dict:
     return meta
 
 
-class TokenDatastore:
+class TokenDatastore(StoreBase):
     """A memory-mapped static store; opening costs a few small reads whatever its size."""
 
     source = "static"
+
+    @property
+    def label(self) -> str:
+        return f"static:{self.path}"
 
     def __init__(self, path: Path, meta: dict):
         self.path = Path(path)
@@ -392,17 +397,3 @@ class TokenDatastore:
             win = self._windows[continuation_len] = sliding_window(self._tokens, continuation_len)
         conts = gather_continuations(self._tokens, ends, continuation_len, N, win)
         return Lookup(self.source, n, int(live), conts)
-
-
-def check_tokenizer(meta: dict, tokenizer, path: Path) -> None:
-    """Refuse a tokenizer other than the one the store was built with."""
-    from .build import tokenizer_fingerprint  # local: build pulls in heavier imports
-
-    fp = tokenizer_fingerprint(tokenizer)
-    built = meta["tokenizer"]
-    if fp != built.get("fingerprint"):
-        raise DatastoreError(
-            f"{path} was built with tokenizer {built.get('name')!r} (fingerprint {str(built.get('fingerprint'))[:12]}), "
-            f"not with the given {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} "
-            f"(fingerprint {fp[:12]}); token ids would not mean the same words. Rebuild it for this tokenizer "
-            f"with `python -m datastores build {path} --tokenizer NAME_OR_PATH ...`")

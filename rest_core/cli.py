@@ -39,9 +39,9 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def decode_config(args):
-    from .decode import DecodeConfig
-    from .retrieve import RetrieveSettings
-    from .sampling import Sampling
+    from rest_core.decode import DecodeConfig
+    from rest_core.retrieve import RetrieveSettings
+    from rest_core.sampling import Sampling
 
     if args.budget == "auto":
         budget = None
@@ -57,7 +57,7 @@ def decode_config(args):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .traces_cli import add_traces_parser
+    from rest_core.traces.cli import add_traces_parser
 
     parser = argparse.ArgumentParser(prog="python -m rest_core", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--trace-db", default=None, help="record every step into this SQLite file")
     add_decode_arguments(gen)
     try:
-        from .bench import add_bench_parser
+        from rest_core.bench.runner import add_bench_parser
     except ImportError:  # the benchmark is optional at import time
         add_bench_parser = None
     if add_bench_parser is not None:
@@ -95,9 +95,9 @@ def first_difference(lm, prompt, reference: list[int], other: list[int]) -> dict
 
 
 def build_decoder(args, lm):
-    from .cost import CostModel
-    from .decode import RestDecoder
-    from .stores import open_history, open_static_store
+    from rest_core.cost import CostModel
+    from rest_core.decode import RestDecoder
+    from datastores.builtin import open_history, open_static_store
 
     static = open_static_store(args.datastore, lm.tokenizer)
     history = open_history(args.history, lm.tokenizer)
@@ -107,8 +107,8 @@ def build_decoder(args, lm):
 
 
 def cmd_generate(args) -> int:
-    from .decode import plain_generate
-    from .model import encode_prompt, load_model
+    from rest_core.decode import plain_generate
+    from rest_core.model import encode_prompt, load_model
 
     cfg = decode_config(args)
     cfg.validate()
@@ -120,7 +120,7 @@ def cmd_generate(args) -> int:
     recorder = run_id = None
     hook = None
     if args.trace_db:
-        from .recorder import TraceRecorder
+        from rest_core.traces.recorder import TraceRecorder
 
         recorder = TraceRecorder(args.trace_db)
         run_id = recorder.start_run(model=lm.name, tokenizer_name=getattr(lm.tokenizer, "name_or_path", lm.name),
@@ -193,8 +193,8 @@ def settings_dict(args, cfg) -> dict:
 def main(argv=None) -> int:
     from datastores import DatastoreError
 
-    from .decode import PromptError
-    from .model import ModelLoadError
+    from rest_core.decode import PromptError
+    from rest_core.model import ModelLoadError
 
     args = _parser().parse_args(argv)
     try:

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .trace import SOURCES
-from .tree import DraftTree
+from rest_core.trace import SOURCES
+from rest_core.tree import DraftTree
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63)
@@ -221,14 +221,14 @@ def monotone_fit(values: np.ndarray) -> np.ndarray:
 
 
 def _stats_path(lm) -> Path:
-    from .model import cache_root
+    from rest_core.model import cache_root
 
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in lm.name)
     return cache_root() / "cost" / f"{safe}-acceptance.json"
 
 
 def _calibration_path(lm) -> Path | None:
-    from .model import cache_root
+    from rest_core.model import cache_root
 
     key = f"{lm.name}-{lm.device.type}-{str(lm.dtype).split('.')[-1]}-t{torch.get_num_threads()}-c{os.cpu_count()}"
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)

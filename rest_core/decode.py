@@ -22,13 +22,13 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .commit import compact_cache
-from .model import LoadedModel
-from .retrieve import RetrieveSettings, query_suffix, retrieve
-from .sampling import Sampling, draw_token, next_token_probs
-from .trace import Branch, StepHook, StepTrace
-from .tree import build_draft_tree, prune_tree, root_only, tree_mask, tree_positions
-from .verify import verify
+from rest_core.commit import compact_cache
+from rest_core.model import LoadedModel
+from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
+from rest_core.sampling import Sampling, draw_token, next_token_probs
+from rest_core.trace import Branch, StepHook, StepTrace
+from rest_core.tree import build_draft_tree, prune_tree, root_only, tree_mask, tree_positions
+from rest_core.verify import verify
 
 
 DEFAULT_BUDGET = 16  # draft nodes per step when no cost model decides

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .trace import SOURCES
+from rest_core.trace import SOURCES
 
 
 @dataclass
@@ -145,22 +145,36 @@ def build_draft_tree(root_token: int, lookups, budget: int, base_weights: dict[s
     return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources, children)
 
 
-def ancestor_matrix(tree: DraftTree) -> np.ndarray:
-    """(n, n) bool: [i, j] is True when node j is node i itself or one of its ancestors."""
-    n = len(tree)
+def ancestors(parents) -> np.ndarray:
+    """(n, n) bool from a parent list (parents[i] < i, root -1): [i, j] is True when node j
+    is node i itself or one of its ancestors, i.e. where node i may attend inside the tree."""
+    n = len(parents)
     allowed = np.eye(n, dtype=bool)
     for i in range(1, n):  # parents come first, so each row extends its parent's row
-        allowed[i] |= allowed[tree.parents[i]]
+        allowed[i] |= allowed[parents[i]]
     return allowed
+
+
+def ancestor_matrix(tree: DraftTree) -> np.ndarray:
+    """(n, n) bool: [i, j] is True when node j is node i itself or one of its ancestors."""
+    return ancestors(tree.parents)
+
+
+def mask_from_allowed(allowed: np.ndarray, prefix_len: int, dtype: torch.dtype,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 4D additive tree mask (1, 1, q, prefix_len + q) from the (q, q) allowed block:
+    0 over the whole prefix and where allowed, dtype-min elsewhere.  The one place the
+    mask is built, for the model and for replaying a stored step alike."""
+    q = allowed.shape[0]
+    mask = torch.zeros((1, 1, q, prefix_len + q), dtype=dtype, device=device)
+    blocked = torch.from_numpy(~np.asarray(allowed, dtype=bool)).to(device)
+    mask[0, 0, :, prefix_len:].masked_fill_(blocked, torch.finfo(dtype).min)
+    return mask
 
 
 def tree_mask(tree: DraftTree, prefix_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(1, 1, q, prefix_len + q) additive mask: 0 where a node may attend, dtype-min elsewhere."""
-    q = len(tree)
-    mask = torch.zeros((1, 1, q, prefix_len + q), dtype=dtype, device=device)
-    blocked = torch.from_numpy(~ancestor_matrix(tree)).to(device)
-    mask[0, 0, :, prefix_len:].masked_fill_(blocked, torch.finfo(dtype).min)
-    return mask
+    return mask_from_allowed(ancestor_matrix(tree), prefix_len, dtype, device)
 
 
 def tree_positions(tree: DraftTree, prefix_len: int, device: torch.device) -> torch.Tensor:

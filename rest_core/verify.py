@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from .sampling import Sampling, draw_token, next_token_probs
-from .tree import DraftTree
+from rest_core.sampling import Sampling, draw_token, next_token_probs
+from rest_core.tree import DraftTree
 
 
 @dataclass

@@ -62,6 +62,6 @@ def default_lm():
 
 @pytest.fixture(scope="session")
 def default_store(default_lm):
-    from rest_core.stores import open_default_store
+    from datastores.builtin import open_default_store
 
     return open_default_store(default_lm.tokenizer)

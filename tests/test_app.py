@@ -14,8 +14,8 @@ import plotly.graph_objects as go
 import pytest
 
 from conftest import make_tiny_lm
-from rest_core import app_support as sup
-from rest_core.recorder import TraceRecorder
+from rest_core.app import support as sup
+from rest_core.traces.recorder import TraceRecorder
 
 PROMPT_IDS = [5, 6, 7, 8, 9]
 PROMPT = " ".join(f"t{t}" for t in PROMPT_IDS)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import make_tiny_lm
-from rest_core.bench import (GREEDY_METHODS, SAMPLING_METHODS, SUMMARY_KEYS, chi_square, rotated, run_benchmark,
+from rest_core.bench.runner import (GREEDY_METHODS, SAMPLING_METHODS, SUMMARY_KEYS, chi_square, rotated, run_benchmark,
                              run_retrieval, same_output)
-from rest_core.bench_suites import BenchPrompt, chat_prompts, load_suite
+from rest_core.bench.suites import BenchPrompt, chat_prompts, load_suite
 from rest_core.decode import DecodeConfig, plain_generate
 from rest_core.sampling import Sampling
 
@@ -203,7 +203,7 @@ def test_outputs_compare_up_to_the_shorter_length_cut_at_eos():
 
 
 def test_recording_overhead_is_measured_against_the_same_method_untraced(lm, store, tmp_path):
-    from rest_core.bench import TRACED
+    from rest_core.bench.runner import TRACED
 
     res = run_benchmark(lm, _prompts(), DecodeConfig(max_new_tokens=8), ["rest_static", TRACED], store,
                         tmp_path / "out", png=False, progress=False)
@@ -214,7 +214,7 @@ def test_recording_overhead_is_measured_against_the_same_method_untraced(lm, sto
     base = rc["per_method"]["rest_static"]
     assert rc["overhead_per_step"] == pytest.approx(rc["per_method"][TRACED]["ms_per_step"] / base["ms_per_step"] - 1)
     # the traced runs decode the same tokens, and every step landed in the database
-    from rest_core.recorder import TraceRecorder
+    from rest_core.traces.recorder import TraceRecorder
 
     rec = TraceRecorder(rc["db_path"])
     stored = [len(rec.load_steps(r["id"])) for r in rec.list_runs()]

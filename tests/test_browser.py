@@ -33,7 +33,7 @@ def url(tmp_path_factory):
         pytest.skip("Chromium is not installed at /usr/bin/chromium (scripts/setup.sh --dev installs it)")
     import app
     from datastores import build_datastore, iter_text_files
-    from rest_core import app_support as sup
+    from rest_core.app import support as sup
     from rest_core.model import load_model
 
     lm = load_model()

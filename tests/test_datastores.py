@@ -385,7 +385,7 @@ def test_open_missing_directory(tmp_path):
 
 
 def test_cli_build_info_and_errors(tmp_path, capsys):
-    from datastores.cli import main
+    from rest_core.datastore_cli import main
 
     src = tmp_path / "src"
     src.mkdir()

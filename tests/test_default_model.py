@@ -75,7 +75,7 @@ def test_unknown_model_offline_is_a_clear_error(monkeypatch, tmp_path):
 
 def test_mismatched_store_is_refused(default_lm, tmp_path):
     from datastores import DatastoreError, build_from_token_documents
-    from rest_core.stores import open_static_store
+    from datastores.builtin import open_static_store
 
     path = tmp_path / "other"
     build_from_token_documents(path, [[1, 2, 3, 4]], tokenizer_info={"name": "other", "fingerprint": "f" * 64,

@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from rest_core import figures
-from rest_core.recorder import TraceRecorder
+from rest_core.traces import figures
+from rest_core.traces.recorder import TraceRecorder
 from rest_core.trace import PHASES, Branch, StepTrace
-from rest_core.traces_cli import main as traces_main
+from rest_core.traces.cli import main as traces_main
 from test_recorder import VOCAB, FakeTokenizer, make_trace, record_run, tree_mask
 
 WORD = {w: i for i, w in enumerate(VOCAB)}

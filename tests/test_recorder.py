@@ -22,7 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from rest_core.recorder import TraceRecorder, decode_block, encode_block, full_mask, process_alive
+from rest_core.traces.recorder import TraceRecorder, decode_block, encode_block, full_mask, process_alive
 from rest_core.trace import PHASES, SOURCES, Branch, StepTrace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,7 +278,7 @@ def test_killed_writer_run_is_marked_interrupted(tmp_path):
         import random, sys, time
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
         from test_recorder import make_trace, record_run
-        from rest_core.recorder import TraceRecorder
+        from rest_core.traces.recorder import TraceRecorder
         rec = TraceRecorder({str(db)!r})
         record_run(rec, [make_trace(random.Random(0), step=k) for k in range(3)], finish=False)
         print("recorded", flush=True)
@@ -345,7 +345,7 @@ def test_prompt_ids_default_path_and_finish_keeping_counts(tmp_path, monkeypatch
 
 
 def test_only_the_most_frequent_continuations_per_source_are_stored(tmp_path):
-    from rest_core.recorder import MAX_BRANCHES_PER_SOURCE, TraceRecorder, _top_branches
+    from rest_core.traces.recorder import MAX_BRANCHES_PER_SOURCE, TraceRecorder, _top_branches
     from rest_core.trace import Branch
 
     many = [Branch("static", (i, i + 1), count=1 + (i % 7)) for i in range(200)]

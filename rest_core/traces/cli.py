@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from rest_core import figures
-from rest_core.recorder import TraceRecorder, default_db_path
+from rest_core.traces import figures
+from rest_core.traces.recorder import TraceRecorder, default_db_path
 from rest_core.trace import PHASES, SOURCES
 
 Column = tuple[str, Callable[[dict], Any]]
@@ -181,7 +181,7 @@ def run_traces(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rest_core.traces_cli")
+    parser = argparse.ArgumentParser(prog="python -m rest_core.traces.cli")
     add_traces_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -188,7 +188,7 @@ def humaneval_prompts() -> list[tuple[str, str, bool]]:
 
 def load_suite(name: str, tokenizer, limit: Optional[int] = None) -> list[BenchPrompt]:
     """The suite's prompts, encoded for this tokenizer (first `limit` only when given)."""
-    from .model import encode_prompt
+    from rest_core.model import encode_prompt
 
     if name == "humaneval":
         raw, chat = humaneval_prompts(), False

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import DatastoreError
+from datastores.common import DatastoreError
 
 __all__ = ["main", "load_tokenizer"]
 
@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sources(args):
-    from .sources import iter_jsonl, iter_python_sources, iter_text_files, site_packages_roots, stdlib_root
+    from datastores.sources import iter_jsonl, iter_python_sources, iter_text_files, site_packages_roots, stdlib_root
 
     roots = []
     if args.python_stdlib:
@@ -96,7 +96,7 @@ def _sources(args):
 
 
 def _cmd_build(args) -> int:
-    from .build import build_datastore
+    from datastores.build import build_datastore
 
     sources = _sources(args)
     tokenizer = load_tokenizer(args.tokenizer)
@@ -113,7 +113,7 @@ def _cmd_build(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from .static import TokenDatastore
+    from datastores.static import TokenDatastore
 
     store = TokenDatastore.open(args.path)
     print(store.describe())
@@ -124,14 +124,14 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from .microbench import bench_store, format_report, read_heldout
-    from .static import TokenDatastore
+    from datastores.microbench import bench_store, format_report, read_heldout
+    from datastores.static import TokenDatastore
 
     store = TokenDatastore.open(args.store)
     tokenizer, texts = None, []
     if args.heldout:
         tokenizer = load_tokenizer(args.tokenizer or store.meta["tokenizer"]["name"])
-        from .static import check_tokenizer
+        from datastores.static import check_tokenizer
 
         check_tokenizer(store.meta, tokenizer, store.path)
         texts = read_heldout(args.heldout)

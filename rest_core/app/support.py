@@ -33,11 +33,11 @@ import numpy as np
 import plotly.graph_objects as go
 
 from datastores import DatastoreError, HistoryStore, RequestStore, TokenDatastore, build_datastore, iter_documents
-from rest_core import figures
+from rest_core.traces import figures
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, DecodeResult, PromptError, RestDecoder, plain_generate
 from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, cache_root, encode_prompt, load_model
-from rest_core.recorder import TokenTexts, TraceRecorder
+from rest_core.traces.recorder import TokenTexts, TraceRecorder
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
 from rest_core.sampling import Sampling
 from rest_core.trace import SOURCES, StepTrace
@@ -156,14 +156,14 @@ class ModelSlot:
 
 
 def default_store_factory(tokenizer):
-    from rest_core.stores import open_default_store
+    from datastores.builtin import open_default_store
 
     return open_default_store(tokenizer, progress=True)
 
 
 def _store_build_dir(tokenizer) -> Optional[Path]:
     try:
-        from rest_core.stores import default_store_path
+        from datastores.builtin import default_store_path
 
         return default_store_path(tokenizer)
     except Exception:  # noqa: BLE001 - only used to show progress

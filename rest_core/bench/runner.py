@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from .bench_suites import SUITES, BenchPrompt, load_suite
+from rest_core.bench.suites import SUITES, BenchPrompt, load_suite
 
 GREEDY_METHODS = ("plain", "hf_greedy", "hf_prompt_lookup", "rest_static", "rest_full")
 SAMPLING_METHODS = ("plain", "rest_static", "rest_full")
@@ -112,8 +112,8 @@ class MethodRunner:
     def __init__(self, lm, static_store, cfg, methods: Sequence[str], prompt_lookup_tokens: int = 10):
         from datastores import HistoryStore
 
-        from .cost import CostModel
-        from .decode import RestDecoder
+        from rest_core.cost import CostModel
+        from rest_core.decode import RestDecoder
 
         self.lm, self.cfg, self.methods = lm, cfg, tuple(methods)
         self.eos = lm.eos_token_ids
@@ -128,7 +128,7 @@ class MethodRunner:
         if TRACED in methods:
             import tempfile
 
-            from .recorder import TraceRecorder
+            from rest_core.traces.recorder import TraceRecorder
 
             self.trace_dir = Path(tempfile.mkdtemp(prefix="rest-bench-trace-"))
             self.recorder = TraceRecorder(self.trace_dir / "trace.sqlite")
@@ -167,7 +167,7 @@ class MethodRunner:
         return rec
 
     def _run_ours(self, method: str, prompt, cfg, update_history: bool) -> dict:
-        from .decode import plain_generate
+        from rest_core.decode import plain_generate
 
         t0 = time.perf_counter()
         if method == "plain":
@@ -195,7 +195,7 @@ class MethodRunner:
         return rec
 
     def _run_hf(self, method: str, prompt, cfg) -> dict:
-        from .decode import _check_prompt
+        from rest_core.decode import _check_prompt
 
         if not cfg.sampling.greedy:
             raise ValueError("The Hugging Face methods run greedy only in this benchmark.")
@@ -318,7 +318,7 @@ def run_benchmark(lm, prompts: Sequence[BenchPrompt], cfg, methods: Optional[Seq
 
 def _compare(lm, prompt: BenchPrompt, by_method: dict, greedy: bool, eos: set[int]) -> None:
     """Mark each record identical (or not) to the reference: hf_greedy when greedy (else plain), plain when sampling."""
-    from .cli import first_difference
+    from rest_core.cli import first_difference
 
     ref_name = "hf_greedy" if greedy and by_method.get("hf_greedy", {}).get("ok") else "plain"
     ref = by_method.get(ref_name)
@@ -393,7 +393,7 @@ def _ratio(a, b):
 
 def summarize(records: list[dict], methods: Sequence[str], greedy: bool, cost_model: dict) -> dict:
     """Per-method numbers, computed from the per-prompt records only."""
-    from .cost import CostModel
+    from rest_core.cost import CostModel
 
     cm = CostModel(grid=tuple(cost_model["grid"]), times_ms=np.array(cost_model["times_ms"], dtype=float))
     out = {}
@@ -496,7 +496,7 @@ def first_token_check(runner: MethodRunner, prompts: Sequence[BenchPrompt], cfg,
     """First-token frequencies over many seeds against the exact sampling distribution (chi-square)."""
     from tqdm.auto import tqdm
 
-    from .sampling import next_token_probs
+    from rest_core.sampling import next_token_probs
 
     lm = runner.lm
     one = replace(cfg, max_new_tokens=1)
@@ -787,7 +787,7 @@ def retrieval_chart(results: dict):
 # -- command line -------------------------------------------------------------------------------------
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    from .cli import add_decode_arguments
+    from rest_core.cli import add_decode_arguments
 
     p = subparsers.add_parser("bench", help="benchmark REST against plain decoding and HF generate()",
                               description=__doc__.split("\n\n")[0])
@@ -823,9 +823,9 @@ def run_bench(args) -> int:
     out = Path(args.out or Path("bench_out") / f"{suite}-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     if suite == "retrieval":
         return _run_retrieval_cli(args, out)
-    from .cli import decode_config
-    from .model import load_model
-    from .stores import open_static_store
+    from rest_core.cli import decode_config
+    from rest_core.model import load_model
+    from datastores.builtin import open_static_store
 
     if args.history != "none" or args.no_request_store:
         print("note: --history and --no-request-store are ignored by bench: each method fixes its stores",
@@ -846,9 +846,9 @@ def run_bench(args) -> int:
 
 
 def _run_retrieval_cli(args, out: Path) -> int:
-    from .bench_suites import chat_prompts, humaneval_prompts
-    from .model import load_tokenizer
-    from .stores import open_static_store
+    from rest_core.bench.suites import chat_prompts, humaneval_prompts
+    from rest_core.model import load_tokenizer
+    from datastores.builtin import open_static_store
 
     tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     base = open_static_store(args.datastore, tokenizer)

@@ -1,4 +1,8 @@
-"""Which stores a decode uses: the default static store, a path, or none.
+"""Which stores a decode drafts from, assembled in one place.
+
+`assemble_stores` is the only function that puts a decode's stores together (their
+order is the order the draft tree merges them in); `open_static_store` and
+`open_history` turn command-line / settings specs into stores.
 
 The default static store is Python source every machine has offline: the
 running interpreter's standard library, then the installed packages, tokenized
@@ -12,11 +16,14 @@ import fcntl
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
-from datastores import (DatastoreError, HistoryStore, TokenDatastore, build_datastore, cache_dir,
-                        iter_python_sources, tokenizer_fingerprint)
-from datastores.sources import site_packages_roots, stdlib_root
+from datastores.build import build_datastore
+from datastores.common import DatastoreError, Store, cache_dir
+from datastores.dynamic import HistoryStore, RequestStore
+from datastores.fingerprint import tokenizer_fingerprint
+from datastores.sources import iter_python_sources, site_packages_roots, stdlib_root
+from datastores.static import TokenDatastore
 
 DEFAULT_STORE_TOKENS = int(os.environ.get("REST_LAB_DEFAULT_STORE_TOKENS", 50_000_000))
 
@@ -68,10 +75,34 @@ def default_history_path(tokenizer) -> Path:
     return cache_dir() / "history" / f"history-{tokenizer_fingerprint(tokenizer)[:12]}.npz"
 
 
-def open_history(spec: Optional[str], tokenizer) -> Optional[HistoryStore]:
-    """'default': the persisted history of past answers for this tokenizer; 'none'/None: off; else a file."""
+def open_history(spec: Optional[str], tokenizer, n_max: int = 16, n_min: int = 2) -> Optional[HistoryStore]:
+    """'default': the persisted history of past answers for this tokenizer; 'none'/None: off; else a file.
+
+    Indexed for suffixes of n_min..n_max tokens (a later request with other lengths re-indexes it)."""
     if spec in (None, "none"):
         return None
     path = default_history_path(tokenizer) if spec == "default" else Path(spec)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return HistoryStore(path=path)
+    return HistoryStore(path=path, n_max=n_max, n_min=n_min)
+
+
+def assemble_stores(static: Optional[Store] = None, request: bool = True, history: Optional[Store] = None,
+                    extra: Sequence[Store] = (), n_max: int = 16, n_min: int = 2) -> list[Store]:
+    """A decode's stores in merge order: static, request (prompt + answer so far), history, then any others.
+
+    Each source name may appear once: the draft tree, the cost model and the traces tell drafts
+    apart by it."""
+    stores: list[Store] = [s for s in (static,) if s is not None]
+    if request:
+        stores.append(RequestStore(n_max=n_max, n_min=n_min))
+    stores.extend(s for s in (history, *extra) if s is not None)
+    names = [s.source for s in stores]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise DatastoreError(f"two stores share the source name {dup[0]!r}; give each store its own source name")
+    return stores
+
+
+def store_labels(stores: Sequence[Store]) -> list[str]:
+    """How runs and reports name a decode's stores (static:PATH, request, history:PATH, ...)."""
+    return [s.label for s in stores]
