@@ -11,18 +11,54 @@
   Python store (`open_default_store`) and history (`open_history`) live beside it.
 """
 from datastores.build import build_datastore, build_from_token_documents, reversed_suffix_array
-from datastores.builtin import (assemble_stores, default_history_path, default_store_path, open_default_store,
-                                open_history, open_static_store, store_labels)
+from datastores.builtin import (
+                                assemble_stores,
+                                default_history_path,
+                                default_store_path,
+                                open_default_store,
+                                open_history,
+                                open_static_store,
+                                store_labels,
+)
 from datastores.common import SEP, DatastoreError, Lookup, Store, StoreBase, cache_dir
 from datastores.dynamic import HistoryStore, RequestStore
 from datastores.fingerprint import check_tokenizer, tokenizer_fingerprint
-from datastores.sources import (DocumentSource, default_python_roots, iter_documents, iter_jsonl,
-                                iter_python_sources, iter_text_files)
+from datastores.sources import (
+                                DocumentSource,
+                                default_python_roots,
+                                iter_documents,
+                                iter_jsonl,
+                                iter_python_sources,
+                                iter_text_files,
+)
 from datastores.static import TokenDatastore
 
-__all__ = ["SEP", "DatastoreError", "Lookup", "Store", "StoreBase", "TokenDatastore", "RequestStore", "HistoryStore",
-           "build_datastore", "build_from_token_documents", "tokenizer_fingerprint", "check_tokenizer",
-           "reversed_suffix_array", "cache_dir", "assemble_stores", "store_labels", "open_static_store",
-           "open_history", "open_default_store", "default_store_path", "default_history_path",
-           "DocumentSource", "default_python_roots", "iter_documents", "iter_jsonl",
-           "iter_python_sources", "iter_text_files"]
+__all__ = [
+                                "SEP",
+                                "DatastoreError",
+                                "DocumentSource",
+                                "HistoryStore",
+                                "Lookup",
+                                "RequestStore",
+                                "Store",
+                                "StoreBase",
+                                "TokenDatastore",
+                                "assemble_stores",
+                                "build_datastore",
+                                "build_from_token_documents",
+                                "cache_dir",
+                                "check_tokenizer",
+                                "default_history_path",
+                                "default_python_roots",
+                                "default_store_path",
+                                "iter_documents",
+                                "iter_jsonl",
+                                "iter_python_sources",
+                                "iter_text_files",
+                                "open_default_store",
+                                "open_history",
+                                "open_static_store",
+                                "reversed_suffix_array",
+                                "store_labels",
+                                "tokenizer_fingerprint",
+]

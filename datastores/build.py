@@ -22,21 +22,30 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
+import pydivsufsort
+from tqdm.auto import tqdm
 
 from datastores.common import SEP, DatastoreError, cache_dir
 from datastores.fingerprint import tokenizer_fingerprint
 from datastores.sources import DocumentSource, iter_documents, python_version_tag
-from datastores.static import (FORMAT_NAME, FORMAT_VERSION, META_NAME, TOKENS_NAME, TokenDatastore,
-                     file_record, index_dtype)
+from datastores.static import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    META_NAME,
+    TOKENS_NAME,
+    TokenDatastore,
+    file_record,
+    index_dtype,
+)
 
 BATCH_CHARS = 1 << 20  # text per tokenizer call: big enough to use the Rust threads
 BATCH_DOCS = 512
 
-__all__ = ["build_datastore", "build_from_token_documents", "tokenizer_fingerprint", "reversed_suffix_array", "cache_dir"]
+__all__ = ["build_datastore", "build_from_token_documents", "reversed_suffix_array"]
 
 
 def _tokenizer_name(tokenizer) -> str:
@@ -55,8 +64,6 @@ def reversed_suffix_array(tokens: np.ndarray) -> np.ndarray:
     max(real token) + 1 (or, for vocabularies past 65535, every symbol becomes its rank
     among the distinct symbols). Half the bytes to sort for any vocabulary under 65535.
     """
-    import pydivsufsort
-
     n = int(tokens.size)
     rev = np.ascontiguousarray(tokens[::-1], dtype=np.uint32)  # (N,) reversed stream
     is_sep = rev == SEP
@@ -158,8 +165,6 @@ class _BatchCache:
 def _tokenize_to_file(sources: list[DocumentSource], tokenizer, out_file: Path, max_tokens: int | None,
                       progress: bool, cache: _BatchCache | None = None) -> dict:
     """Tokenize every document into out_file (uint32, SEP between documents)."""
-    from tqdm.auto import tqdm
-
     total = sum(s.total_bytes or 0 for s in sources) or None
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress, smoothing=0.05)
     state = {"n_tokens": 0, "n_docs": 0, "truncated": False}

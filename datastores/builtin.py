@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from datastores.build import build_datastore
 from datastores.common import DatastoreError, Store, cache_dir

@@ -13,18 +13,27 @@ semantics, so the pieces that define that semantics live here once:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
-
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 SEP: int = 0xFFFFFFFF  # document separator in every token stream; never a real token
 
-__all__ = ["SEP", "DatastoreError", "Lookup", "Store", "StoreBase", "query_tail", "gather_continuations",
-           "check_lookup_args", "cache_dir"]
+__all__ = [
+    "SEP",
+    "DatastoreError",
+    "Lookup",
+    "Store",
+    "StoreBase",
+    "cache_dir",
+    "check_lookup_args",
+    "gather_continuations",
+    "query_tail",
+]
 
 
 def cache_dir() -> Path:

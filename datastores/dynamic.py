@@ -21,13 +21,21 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from datastores.common import (SEP, DatastoreError, Lookup, StoreBase, check_lookup_args, empty_lookup,
-                               gather_continuations, query_tail)
+from datastores.common import (
+    SEP,
+    DatastoreError,
+    Lookup,
+    StoreBase,
+    check_lookup_args,
+    empty_lookup,
+    gather_continuations,
+    query_tail,
+)
 
 _MASK = (1 << 64) - 1
 _M1 = 0x9E3779B97F4A7C15
@@ -35,7 +43,7 @@ _M2 = 0xBF58476D1CE4E5B9
 _P = 0x100000001B3
 _M1_U, _M2_U, _P_U = np.uint64(_M1), np.uint64(_M2), np.uint64(_P)
 
-__all__ = ["RequestStore", "HistoryStore"]
+__all__ = ["HistoryStore", "RequestStore"]
 
 
 def _mix_np(tokens: np.ndarray) -> np.ndarray:
@@ -220,7 +228,7 @@ class _NgramIndex:
                 p.shift(cut)
 
 
-def _index_lookup(index: "_NgramIndex", source: str, context, n_max: int, n_min: int, max_matches: int,
+def _index_lookup(index: _NgramIndex, source: str, context, n_max: int, n_min: int, max_matches: int,
                   continuation_len: int) -> Lookup:
     """The one lookup rule of both dynamic stores: longest suffix, then its continuations."""
     check_lookup_args(n_max, n_min, max_matches, continuation_len)

@@ -15,7 +15,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """
     try:
         vocab = tokenizer.get_vocab()
-    except Exception as exc:  # noqa: BLE001 - any tokenizer-side failure is the same problem
+    except Exception as exc:  # any tokenizer-side failure is the same problem
         raise DatastoreError(f"cannot read the tokenizer's vocabulary ({exc}); pass a Hugging Face "
                              "tokenizer (it must have get_vocab())") from None
     h = hashlib.sha256()
@@ -34,7 +34,8 @@ def check_tokenizer(meta: dict, tokenizer, path: Path) -> None:
     built = meta["tokenizer"]
     if fp != built.get("fingerprint"):
         raise DatastoreError(
-            f"{path} was built with tokenizer {built.get('name')!r} (fingerprint {str(built.get('fingerprint'))[:12]}), "
+            f"{path} was built with tokenizer {built.get('name')!r} "
+            f"(fingerprint {str(built.get('fingerprint'))[:12]}), "
             f"not with the given {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} "
             f"(fingerprint {fp[:12]}); token ids would not mean the same words. Rebuild it for this tokenizer "
             f"with `python -m datastores build {path} --tokenizer NAME_OR_PATH ...`")

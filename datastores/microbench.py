@@ -10,15 +10,17 @@ wall-clock and per-thread CPU percentiles in microseconds plus what the lookups 
 """
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from datastores.common import SEP
+from datastores.sources import iter_text_files
 
-__all__ = ["contexts_from_store", "contexts_from_texts", "time_lookups", "bench_store", "format_report"]
+__all__ = ["bench_store", "contexts_from_store", "contexts_from_texts", "format_report", "time_lookups"]
 
 
 def contexts_from_store(store, count: int = 2000, context_len: int = 64, seed: int = 0) -> list[np.ndarray]:
@@ -84,8 +86,6 @@ def time_lookups(store, contexts: Sequence[np.ndarray], n_max: int = 16, n_min: 
 def bench_store(store, tokenizer=None, heldout_texts: Sequence[str] = (), count: int = 2000,
                 context_len: int = 64, seed: int = 0, **lookup_kw) -> dict:
     """{"inside": stats, "heldout": stats (when texts and tokenizer are given)}."""
-    import os
-
     report = {"store": str(getattr(store, "path", "")), "n_tokens": int(getattr(store, "n_tokens", 0)),
               "loadavg_1min": os.getloadavg()[0], "cpus": os.cpu_count(),
               "lookup": {"n_max": 16, "n_min": 2, "max_matches": 5000, "continuation_len": 10, **lookup_kw}}
@@ -100,8 +100,6 @@ def bench_store(store, tokenizer=None, heldout_texts: Sequence[str] = (), count:
 
 def read_heldout(paths: Sequence[str | Path], max_files: int = 400, max_bytes: int = 8 << 20) -> list[str]:
     """Texts of up to max_files files (folders walked for *.py) for held-out contexts."""
-    from datastores.sources import iter_text_files
-
     texts, total = [], 0
     for p in paths:
         src = iter_text_files([p], suffixes=[".py"] if Path(p).is_dir() else None)

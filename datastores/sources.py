@@ -13,16 +13,24 @@ import os
 import sys
 import sysconfig
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 from datastores.common import DatastoreError
 
 MAX_FILE_BYTES = 4 << 20  # larger files are nearly always generated tables, poor drafts
 SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".tox", ".mypy_cache", ".pytest_cache"}
 
-__all__ = ["DocumentSource", "iter_python_sources", "iter_text_files", "iter_jsonl",
-           "iter_documents", "default_python_roots", "stdlib_root", "site_packages_roots"]
+__all__ = [
+    "DocumentSource",
+    "default_python_roots",
+    "iter_documents",
+    "iter_jsonl",
+    "iter_python_sources",
+    "iter_text_files",
+    "site_packages_roots",
+    "stdlib_root",
+]
 
 
 class DocumentSource:
@@ -32,7 +40,7 @@ class DocumentSource:
     the progress bar; ``counts`` is a Counter filled during iteration.
     """
 
-    def __init__(self, kind: str, paths: Sequence[str], produce: Callable[["DocumentSource"], Iterator[tuple[str, str]]],
+    def __init__(self, kind: str, paths: Sequence[str], produce: Callable[[DocumentSource], Iterator[tuple[str, str]]],
                  total_bytes: int | None = None):
         self.kind = kind
         self.paths = [str(p) for p in paths]
@@ -168,7 +176,8 @@ def _prune_nested_site_packages(root: Path, d: Path) -> bool:
     return d.parent == root and d.name in ("site-packages", "dist-packages")
 
 
-def iter_python_sources(roots: Sequence[Path | str] | None = None, max_file_bytes: int = MAX_FILE_BYTES) -> DocumentSource:
+def iter_python_sources(roots: Sequence[Path | str] | None = None,
+                        max_file_bytes: int = MAX_FILE_BYTES) -> DocumentSource:
     """Every ``*.py`` file under roots (default: `default_python_roots()`)."""
     roots = [Path(r) for r in (default_python_roots() if roots is None else roots)]
     return _file_source("python", roots, (".py",), _prune_nested_site_packages, max_file_bytes)

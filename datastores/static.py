@@ -29,14 +29,23 @@ import hashlib
 import json
 import mmap
 import struct
+import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
+from datastores.common import (
+    DatastoreError,
+    Lookup,
+    StoreBase,
+    check_lookup_args,
+    empty_lookup,
+    gather_continuations,
+    query_tail,
+    sliding_window,
+)
 from datastores.fingerprint import check_tokenizer
-from datastores.common import (DatastoreError, Lookup, StoreBase, check_lookup_args, empty_lookup,
-                     gather_continuations, query_tail, sliding_window)
 
 FORMAT_NAME = "rest-lab-token-datastore"
 FORMAT_VERSION = 1
@@ -148,7 +157,7 @@ class TokenDatastore(StoreBase):
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path, tokenizer=None) -> "TokenDatastore":
+    def open(cls, path, tokenizer=None) -> TokenDatastore:
         """Open a built store. With ``tokenizer``, refuse a store built by another one.
 
         Checks on open: meta.json complete, every file present with the recorded size
@@ -199,7 +208,8 @@ class TokenDatastore(StoreBase):
         sizes = {k: v["size"] for k, v in m["files"].items()}
         total = sum(sizes.values())
         lines = [f"datastore  {self.path}",
-                 f"tokenizer  {tok.get('name')}  (vocab {tok.get('vocab_size')}, fingerprint {str(tok.get('fingerprint'))[:16]})",
+                 f"tokenizer  {tok.get('name')}  (vocab {tok.get('vocab_size')}, "
+                 f"fingerprint {str(tok.get('fingerprint'))[:16]})",
                  f"tokens     {self.n_tokens:,} in {self.n_docs:,} documents"
                  + ("  (cut at --max-tokens)" if b.get("truncated") else ""),
                  f"built      {m['built_at']}"]
@@ -208,7 +218,8 @@ class TokenDatastore(StoreBase):
             lines.append(f"source     {s.get('kind')}: {', '.join(map(str, s.get('paths', []))) or '-'}  [{counts}]")
         if "tokenize_s" in b:
             lines.append(f"tokenize   {b['tokenize_s']:.1f} s  ({b.get('tokenize_tokens_per_s', 0):,.0f} tokens/s)")
-            lines.append(f"suffix arr {b['suffix_array_s']:.1f} s  ({b.get('suffix_array_tokens_per_s', 0):,.0f} tokens/s)")
+            rate = b.get("suffix_array_tokens_per_s", 0)
+            lines.append(f"suffix arr {b['suffix_array_s']:.1f} s  ({rate:,.0f} tokens/s)")
         lines.append("files      " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items())
                      + f"  = {total / self.n_tokens:.2f} bytes/token")
         return "\n".join(lines)
@@ -231,8 +242,6 @@ class TokenDatastore(StoreBase):
         if not background:
             touch()
             return None
-        import threading
-
         t = threading.Thread(target=touch, name="datastore-warm", daemon=True)
         t.start()
         return t
@@ -321,24 +330,24 @@ class TokenDatastore(StoreBase):
     def _select_by_left_context(self, ext_b: bytes, e: int, lo: int, hi: int, k: int) -> np.ndarray:
         """k live end positions in [lo, hi) sharing the longest reversed context ext_b.
 
-        The ranks sharing ext[:l] form a block around ext's insertion point, nested for
-        l = e, e-1, ...; take every occurrence of the largest block with fewer than k,
+        The ranks sharing ext[:agree] form a block around ext's insertion point, nested for
+        agree = e, e-1, ...; take every occurrence of the largest block with fewer than k,
         then fill from the next block out, half on each side nearest the inner block
         (the odd one on the lower-rank side; fewer on a side that runs out).
         """
         pe = self._lower_bound(ext_b, e, lo, hi)
         top = max([self._lcp(r, ext_b, e) for r in (pe - 1, pe) if lo <= r < hi] or [0])
         inner = (pe, pe)  # block(top + 1): empty
-        blo, bhi, l = pe, pe, top
+        blo, bhi, agree = pe, pe, top
         while True:  # terminates: block(matched_len) = [lo, hi) has more than k live
-            blo, bhi = self._gallop(ext_b[:4 * l], l, blo, bhi)
+            blo, bhi = self._gallop(ext_b[:4 * agree], agree, blo, bhi)
             if (bhi - blo) - self._dead(blo, bhi) >= k:
                 break
             inner = (blo, bhi)
             # the block next grows at the longest agreement just outside it; the levels
             # in between have this same block, so jump straight there
-            l = max(self._lcp(blo - 1, ext_b, e) if blo > lo else -1,
-                    self._lcp(bhi, ext_b, e) if bhi < hi else -1)
+            agree = max(self._lcp(blo - 1, ext_b, e) if blo > lo else -1,
+                        self._lcp(bhi, ext_b, e) if bhi < hi else -1)
         got = self._live_ranks(*inner)
         need = k - got.size
         avail_l = (inner[0] - blo) - self._dead(blo, inner[0])

@@ -7,7 +7,7 @@ two candidates were there: a tiny logit gap is a near-tie decided by rounding.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

@@ -13,20 +13,29 @@ continuations that start with its path: an estimate of that chance.  The
 estimate is calibrated online: per score bin, the share of drafted nodes that
 were really accepted.  When no tree pays for its cost, b = 0 is a plain step,
 so REST never runs slower than plain decoding by design.
+
+Acceptance is counted per draft source (any name a store gives itself) and kept
+between runs per model and set of stores: a request-store draft with a given
+share is accepted far more often than a static-store one with the same share.
+The cost curve is measured once per process for a model, device and thread count.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
-from rest_core.trace import SOURCES
+from datastores import cache_dir
 from rest_core.tree import DraftTree
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
@@ -43,49 +52,37 @@ class CostModel:
     grid: tuple[int, ...] = GRID
     times_ms: np.ndarray = field(default_factory=lambda: np.zeros(len(GRID)))  # median forward time per grid size
     max_budget: int = 63
-    # drafted / accepted node counts per (source of the node, score-share bin): a request-store draft
-    # with a given share is accepted far more often than a static-store one with the same share
-    drafted: np.ndarray = field(default_factory=lambda: np.zeros((len(SOURCES), len(BINS) - 1)))
-    accepted: np.ndarray = field(default_factory=lambda: np.zeros((len(SOURCES), len(BINS) - 1)))
+    # per draft source: drafted / accepted node counts per score-share bin, (2, bins)
+    counts: dict[str, np.ndarray] = field(default_factory=dict)
     stats_path: Path | None = None  # where the acceptance counts persist between runs
     _recent: dict = field(default_factory=dict, repr=False)
 
     # -- construction ---------------------------------------------------------------
     @classmethod
-    def for_model(cls, lm, cache: bool = True) -> "CostModel":
-        """Calibrated for this model on this machine.
+    def for_model(cls, lm, stores: Optional[Sequence] = None, cache: bool = True) -> CostModel:
+        """Calibrated for this model on this machine, with acceptance learned for these stores.
 
-        The full curve is measured once and cached; every later start times a few
-        one-token passes and measures the curve again when they disagree with the
-        cached one by more than 25% (the machine changed, or was busy back then).
-        REST_LAB_RECALIBRATE=1 forces a new measurement.
+        The full curve is measured once and cached on disk and in this process; a new
+        process times a few one-token passes and measures the curve again when they
+        disagree with the cached one by more than 25% (the machine changed, or was busy
+        back then).  REST_LAB_RECALIBRATE=1 forces a new measurement.
         """
         path = _calibration_path(lm)
-        if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" and path is not None and path.is_file():
-            try:
-                data = json.loads(path.read_text())
-                if tuple(data["grid"]) == GRID:
-                    cached = cls(times_ms=np.array(data["times_ms"], dtype=float))
-                    now = measure_forward_curve(lm, grid=(1,), repeats=3)[0]
-                    if abs(now - cached.times_ms[0]) <= 0.25 * cached.times_ms[0]:
-                        return cached._with_stats(lm, cache)
-            except (ValueError, KeyError, OSError):
-                pass
-        model = cls(times_ms=measure_forward_curve(lm))
-        if cache and path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps({"grid": GRID, "times_ms": model.times_ms.tolist(),
-                                            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}))
-            except OSError:
-                pass
-        return model._with_stats(lm, cache)
-
-    def _with_stats(self, lm, cache: bool) -> "CostModel":
+        times = _CURVES.get(path) if cache else None
+        if times is None:
+            times = _cached_curve(lm, path) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
+            if times is None:
+                times = measure_forward_curve(lm)
+                if cache:
+                    _write_json(path, {"grid": GRID, "times_ms": times.tolist(),
+                                       "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            if cache:
+                _CURVES[path] = times
+        model = cls(times_ms=np.array(times, dtype=float))
         if cache:
-            self.stats_path = _stats_path(lm)
-            self.load_stats()
-        return self
+            model.stats_path = _stats_path(lm, stores)
+            model.load_stats()
+        return model
 
     # -- the cost curve ---------------------------------------------------------------
     def forward_ms(self, q: int) -> float:
@@ -96,10 +93,23 @@ class CostModel:
         return self.forward_ms(q) / self.times_ms[0]
 
     # -- the decision ---------------------------------------------------------------
-    def acceptance(self, shares: np.ndarray, sources: np.ndarray) -> np.ndarray:
+    def _counts(self, source: str) -> np.ndarray:
+        """(2, bins) drafted / accepted counts of one draft source (created empty on first use)."""
+        got = self.counts.get(source)
+        if got is None:
+            got = self.counts[source] = np.zeros((2, len(BINS) - 1))
+        return got
+
+    def acceptance(self, shares: np.ndarray, sources: Sequence[str]) -> np.ndarray:
         """Calibrated chance that a node with this score share, drafted by this source, is accepted."""
         b = _bins(shares)
-        return (self.accepted[sources, b] + PRIOR_WEIGHT * shares) / (self.drafted[sources, b] + PRIOR_WEIGHT)
+        drafted = np.zeros(len(shares))
+        accepted = np.zeros(len(shares))
+        for name in set(sources):
+            rows = np.array([s == name for s in sources])
+            c = self._counts(name)
+            drafted[rows], accepted[rows] = c[0, b[rows]], c[1, b[rows]]
+        return (accepted + PRIOR_WEIGHT * shares) / (drafted + PRIOR_WEIGHT)
 
     def choose(self, tree: DraftTree) -> int:
         """Best number of draft nodes (top by score) for this tree."""
@@ -108,7 +118,7 @@ class CostModel:
             return 0
         shares = tree.scores[1:] / tree.scores[0]
         order = np.lexsort((np.arange(n), tree.depths[1:], -shares))  # the order prune_tree keeps nodes in
-        chance = self.acceptance(shares[order], _source_ids(tree)[order])
+        chance = self.acceptance(shares[order], [tree.sources[1 + i] for i in order])
         gain = np.concatenate([[0.0], np.cumsum(chance)])  # (n+1,) expected accepted drafts of the top b
         best, best_rate = 0, 1.0 / self.forward_ms(1)
         for b in CANDIDATE_BUDGETS:
@@ -123,17 +133,18 @@ class CostModel:
         """Learn from one verified step: which nodes were accepted, and what the pass cost."""
         q = len(tree)
         if q > 1:
-            shares = tree.scores[1:] / tree.scores[0]
-            cells = (_source_ids(tree), _bins(shares))
-            np.add.at(self.drafted, cells, 1.0)
+            bins = _bins(tree.scores[1:] / tree.scores[0])
             hit = np.zeros(q - 1)
             hit[[n - 1 for n in accepted_nodes[1:]]] = 1.0
-            np.add.at(self.accepted, cells, hit)
-            full = self.drafted > MAX_COUNT
-            if full.any():
-                scale = np.where(full, MAX_COUNT / np.maximum(self.drafted, 1.0), 1.0)
-                self.drafted *= scale
-                self.accepted *= scale
+            sources = tree.sources[1:]
+            for name in set(sources):
+                rows = np.array([s == name for s in sources])
+                c = self._counts(name)
+                np.add.at(c[0], bins[rows], 1.0)
+                np.add.at(c[1], bins[rows], hit[rows])
+                full = c[0] > MAX_COUNT
+                if full.any():  # older observations fade so the calibration keeps adapting
+                    c *= np.where(full, MAX_COUNT / np.maximum(c[0], 1.0), 1.0)
         i = int(np.argmin(np.abs(np.array(self.grid) - q)))
         if self.grid[i] == q:  # refresh the curve with real step timings (median of the last few)
             recent = self._recent.setdefault(q, deque(maxlen=9))
@@ -141,45 +152,33 @@ class CostModel:
             if len(recent) >= 5:
                 self.times_ms[i] = float(np.median(recent))
 
-
     def save_stats(self) -> None:
-        """Keep the acceptance counts for the next run (they depend on model and stores, not on hardware)."""
-        if self.stats_path is None:
-            return
-        try:
-            self.stats_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.stats_path.with_name(self.stats_path.name + f".tmp-{os.getpid()}")
-            tmp.write_text(json.dumps({"bins": BINS.tolist(), "sources": list(SOURCES),
-                                       "drafted": self.drafted.tolist(), "accepted": self.accepted.tolist()}))
-            os.replace(tmp, self.stats_path)
-        except OSError:
-            pass
+        """Keep the acceptance counts for the next run (they depend on model and stores, not on hardware).
+        Called by whoever owns the cost model, after a decode; the decoder writes no files."""
+        if self.stats_path is not None:
+            _write_json(self.stats_path, {"bins": BINS.tolist(),
+                                          "sources": {k: v.tolist() for k, v in self.counts.items()}})
 
     def load_stats(self) -> None:
-        if self.stats_path is None or not self.stats_path.is_file():
+        """Counts saved by an earlier run with the same model and stores; anything unreadable is ignored."""
+        data = _read_json(self.stats_path)
+        if not isinstance(data, dict) or data.get("bins") != BINS.tolist() or not isinstance(data.get("sources"), dict):
             return
-        try:
-            data = json.loads(self.stats_path.read_text())
-            if data["bins"] == BINS.tolist() and data["sources"] == list(SOURCES):
-                self.drafted = np.array(data["drafted"], dtype=float)
-                self.accepted = np.array(data["accepted"], dtype=float)
-        except (ValueError, KeyError, OSError):
-            pass
+        counts = {}
+        for name, value in data["sources"].items():
+            arr = np.asarray(value, dtype=float) if isinstance(value, list) else None
+            if arr is None or arr.shape != (2, len(BINS) - 1) or not np.isfinite(arr).all() or (arr < 0).any():
+                return
+            counts[str(name)] = arr
+        self.counts = counts
 
 
 def _bins(shares: np.ndarray) -> np.ndarray:
     return np.clip(np.digitize(shares, BINS) - 1, 0, len(BINS) - 2)
 
 
-def _source_ids(tree: DraftTree) -> np.ndarray:
-    """(n,) source index of each draft node (root excluded)."""
-    return np.array([SOURCES.index(s) for s in tree.sources[1:]], dtype=np.int64)
-
-
 def measure_forward_curve(lm, prefix_len: int = 256, repeats: int = 5, grid: tuple[int, ...] = GRID) -> np.ndarray:
     """Median time (ms) of one forward pass over q tokens after a prefix, for every q in grid."""
-    from transformers import DynamicCache
-
     model = lm.model
     vocab = model.get_input_embeddings().num_embeddings
     gen = torch.Generator().manual_seed(0)
@@ -220,16 +219,54 @@ def monotone_fit(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.full(int(c), t / c) for t, c in blocks])
 
 
-def _stats_path(lm) -> Path:
-    from rest_core.model import cache_root
-
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in lm.name)
-    return cache_root() / "cost" / f"{safe}-acceptance.json"
+_CURVES: dict[Path, np.ndarray] = {}  # calibration file -> curve measured or checked in this process
 
 
-def _calibration_path(lm) -> Path | None:
-    from rest_core.model import cache_root
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
 
+
+def _read_json(path: Optional[Path]):
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError):
+        return None
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Atomically (temp file + rename); a cache that cannot be written is skipped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _cached_curve(lm, path: Path) -> Optional[np.ndarray]:
+    """The curve stored on disk, if a quick one-token probe agrees with it within 25%."""
+    data = _read_json(path)
+    try:
+        if not isinstance(data, dict) or tuple(data["grid"]) != GRID:
+            return None
+        times = np.array(data["times_ms"], dtype=float)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if times.shape != (len(GRID),) or not np.isfinite(times).all() or (times <= 0).any():
+        return None
+    now = measure_forward_curve(lm, grid=(1,), repeats=3)[0]
+    return times if abs(now - times[0]) <= 0.25 * times[0] else None
+
+
+def _stats_path(lm, stores: Optional[Sequence]) -> Path:
+    labels = sorted(getattr(s, "label", getattr(s, "source", "?")) for s in stores or ())
+    key = hashlib.sha256("\n".join(labels).encode()).hexdigest()[:12] if labels else "any"
+    return cache_dir() / "cost" / f"{_safe(lm.name)}-{key}-acceptance.json"
+
+
+def _calibration_path(lm) -> Path:
     key = f"{lm.name}-{lm.device.type}-{str(lm.dtype).split('.')[-1]}-t{torch.get_num_threads()}-c{os.cpu_count()}"
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in key)
-    return cache_root() / "cost" / f"{safe}.json"
+    return cache_dir() / "cost" / f"{_safe(key)}.json"

@@ -1,4 +1,8 @@
-"""Command line: build a store, describe/verify one, time its lookups.
+"""Command line for token datastores: build a store, describe/verify one, time its lookups.
+
+The same commands answer as ``python -m rest_core datastore ...`` and ``python -m datastores ...``;
+they live here, above the datastores library, because ``--tokenizer default`` means the
+default model's tokenizer (rest_core.model).
 
     python -m datastores build OUT [--python-stdlib] [--site-packages] [--files PATH ...]
                                    [--suffix .py ...] [--jsonl FILE ... --field text]
@@ -15,31 +19,28 @@ import json
 import sys
 from pathlib import Path
 
-from datastores.common import DatastoreError
+from transformers import AutoTokenizer
 
-__all__ = ["main", "load_tokenizer"]
+from datastores import DatastoreError, TokenDatastore, build_datastore, check_tokenizer
+from datastores.microbench import bench_store, format_report, read_heldout
+from datastores.sources import iter_jsonl, iter_python_sources, iter_text_files, site_packages_roots, stdlib_root
+from rest_core.model import load_tokenizer as load_model_tokenizer
+
+__all__ = ["add_datastore_parser", "load_tokenizer", "main"]
 
 
 def load_tokenizer(spec: str = "default"):
     """``default`` -> the project's model tokenizer; otherwise a local folder or hub id."""
     if spec == "default":
-        try:
-            from rest_core.model import load_tokenizer as load_default  # imported late: optional peer module
-        except ImportError as exc:
-            raise DatastoreError(f"the default tokenizer comes from rest_core.model.load_tokenizer, which "
-                                 f"cannot be imported ({exc}); pass --tokenizer FOLDER_OR_HUB_ID") from None
-        return load_default(None)
+        return load_model_tokenizer(None)
     try:
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(spec)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; all mean "cannot load"
+    except Exception as exc:  # transformers raises many kinds; all mean "cannot load"
         raise DatastoreError(f"cannot load tokenizer {spec!r} ({type(exc).__name__}: {str(exc)[:200]}); "
                              "pass a folder holding tokenizer files, or a hub id that is cached locally") from None
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m datastores", description="Build and inspect REST token datastores.")
+def _add_commands(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     b = sub.add_parser("build", help="tokenize a corpus into a new store")
@@ -75,9 +76,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sources(args):
-    from datastores.sources import iter_jsonl, iter_python_sources, iter_text_files, site_packages_roots, stdlib_root
+def add_datastore_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """`python -m rest_core datastore build|info|bench ...`"""
+    p = subparsers.add_parser("datastore", help="build, describe or time a token datastore")
+    _add_commands(p)
+    p.set_defaults(func=run_datastore)
+    return p
 
+
+def _sources(args):
     roots = []
     if args.python_stdlib:
         roots.append(stdlib_root())
@@ -96,8 +103,6 @@ def _sources(args):
 
 
 def _cmd_build(args) -> int:
-    from datastores.build import build_datastore
-
     sources = _sources(args)
     tokenizer = load_tokenizer(args.tokenizer)
     store = build_datastore(args.out, tokenizer, sources, progress=not args.quiet,
@@ -113,8 +118,6 @@ def _cmd_build(args) -> int:
 
 
 def _cmd_info(args) -> int:
-    from datastores.static import TokenDatastore
-
     store = TokenDatastore.open(args.path)
     print(store.describe())
     if args.verify:
@@ -124,15 +127,10 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from datastores.microbench import bench_store, format_report, read_heldout
-    from datastores.static import TokenDatastore
-
     store = TokenDatastore.open(args.store)
     tokenizer, texts = None, []
     if args.heldout:
         tokenizer = load_tokenizer(args.tokenizer or store.meta["tokenizer"]["name"])
-        from datastores.static import check_tokenizer
-
         check_tokenizer(store.meta, tokenizer, store.path)
         texts = read_heldout(args.heldout)
     report = bench_store(store, tokenizer, texts, count=args.contexts, context_len=args.context_len,
@@ -142,8 +140,8 @@ def _cmd_bench(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+def run_datastore(args: argparse.Namespace) -> int:
+    """Run a parsed datastore command; expected failures print one `error:` line (exit 2)."""
     try:
         return {"build": _cmd_build, "info": _cmd_info, "bench": _cmd_bench}[args.cmd](args)
     except DatastoreError as exc:
@@ -152,3 +150,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted; nothing was published", file=sys.stderr)
         return 130
+
+
+def main(argv=None) -> int:
+    """`python -m datastores build|info|bench ...`"""
+    p = argparse.ArgumentParser(prog="python -m datastores", description="Build and inspect REST token datastores.")
+    return run_datastore(_add_commands(p).parse_args(argv))

@@ -1,35 +1,39 @@
 """The decode loops: plain autoregressive decoding and REST, side by side.
 
-A REST step runs four named phases (plus the bookkeeping that follows):
+One REST step (`rest_step`) runs the five phases of rest_core.phases in order:
 
     retrieve  -> look the newest tokens up in every store       (retrieve.py)
-    tree      -> merge continuations into a draft tree           (tree.py)
-    forward   -> one model pass over the flattened tree          (here)
-    verify    -> walk the tree with the model's choices          (verify.py)
+    tree      -> merge continuations into a draft tree, sized    (tree.py, cost.py)
+    forward   -> one model pass over the flattened tree          (verify.py: tree_forward)
+    verify    -> walk the tree with the model's choices          (verify.py: verify)
     commit    -> keep the accepted path in the KV cache          (commit.py)
 
 The KV cache always holds every committed token except the newest one, which
 is the root of the next tree.  With no retrieved continuation the tree is the
-root alone: an ordinary one-token step, never a dummy draft.
+root alone: an ordinary one-token step, never a dummy draft.  The decoder reads
+and tells its stores (datastores.Store) but writes no files: saving a history or
+learned acceptance statistics is the caller's call.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
+from datastores import Lookup, Store
 from rest_core.commit import compact_cache
 from rest_core.model import LoadedModel
+from rest_core.phases import PHASES, PhaseTimer
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
 from rest_core.sampling import Sampling, draw_token, next_token_probs
 from rest_core.trace import Branch, StepHook, StepTrace
-from rest_core.tree import build_draft_tree, prune_tree, root_only, tree_mask, tree_positions
-from rest_core.verify import verify
-
+from rest_core.tree import DraftTree, build_draft_tree, prune_tree, root_only
+from rest_core.verify import Verdict, tree_forward, verify
 
 DEFAULT_BUDGET = 16  # draft nodes per step when no cost model decides
 
@@ -42,6 +46,15 @@ class DecodeConfig:
     draft_budget: Optional[int] = None  # draft nodes per step; None = chosen by the cost model
     source_weights: tuple[tuple[str, float], ...] = (("static", 1.0), ("request", 1.0), ("history", 1.0))
     stop_at_eos: bool = True
+
+    def settings(self) -> dict:
+        """The config as a flat record (runs, reports): the one place its fields are named."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.sampling.temperature,
+                "top_k": self.sampling.top_k, "top_p": self.sampling.top_p, "seed": self.sampling.seed,
+                "n_max": self.retrieve.n_max, "n_min": self.retrieve.n_min, "max_matches": self.retrieve.max_matches,
+                "continuation_len": self.retrieve.continuation_len,
+                "draft_budget": "auto" if self.draft_budget is None else self.draft_budget,
+                "stop_at_eos": self.stop_at_eos}
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -86,7 +99,8 @@ class PromptError(ValueError):
     """The prompt cannot be decoded as given (empty, or longer than the model's context)."""
 
 
-def _check_prompt(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig) -> int:
+def check_prompt(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig) -> int:
+    """Refuse an empty or over-long prompt or unknown token ids; the tokens there is room for."""
     if len(prompt) == 0:
         raise PromptError("The prompt is empty: type some text to continue or a question to answer.")
     vocab = lm.model.get_input_embeddings().num_embeddings
@@ -133,7 +147,7 @@ def plain_generate(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig = D
                    on_token: Optional[Callable[[int], None]] = None) -> DecodeResult:
     """Plain autoregressive decoding: one forward pass per token, same sampling as REST."""
     cfg.validate()
-    room = _check_prompt(lm, prompt, cfg)
+    room = check_prompt(lm, prompt, cfg)
     gen = cfg.sampling.generator(lm.device)
     eos = lm.eos_token_ids
     start = time.perf_counter()
@@ -160,153 +174,154 @@ def plain_generate(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig = D
                         wall_s=wall, prefill_s=prefill_s, stop_reason=reason)
 
 
-class RestDecoder:
-    """REST decoding over a static datastore and the dynamic stores.
+def aggregate_branches(lookups: Sequence[Lookup]) -> list[Branch]:
+    """Every distinct retrieved continuation per source with how often it occurred, most frequent first."""
+    branches = []
+    for lk in lookups:
+        if lk.continuations.shape[0] == 0:
+            continue
+        uniq, counts = np.unique(lk.continuations, axis=0, return_counts=True)
+        found = [Branch(lk.source, tuple(int(t) for t in row if t >= 0), int(count))
+                 for row, count in zip(uniq, counts)]
+        branches.extend(sorted(found, key=lambda b: (-b.count, b.tokens)))
+    return branches
 
-    `stores` are objects with ``source`` and ``lookup(...)`` (see datastores):
-    a static TokenDatastore, a HistoryStore of past answers; the request store
-    (prompt + answer so far) is made per call when ``use_request_store``.
-    `budget_chooser` (a cost.CostModel) picks the draft size per step when the
-    config leaves draft_budget to it; without one the budget is DEFAULT_BUDGET.
+
+@dataclass
+class Step:
+    """Everything one REST step produced, for the loop's totals and the per-step trace."""
+
+    prefix_len: int
+    query: np.ndarray
+    lookups: list
+    budget: int
+    tree: DraftTree
+    positions: torch.Tensor  # (1, q)
+    mask: Optional[torch.Tensor]  # (1, 1, q, prefix_len + q); None for a one-token step
+    logits: torch.Tensor  # (q, V)
+    verdict: Verdict
+    new_tokens: list[int]  # committed, after the EOS / room cut
+    stop: Optional[str]  # "eos" | "length" when this step ends the decode
+    timings_ms: dict[str, float]
+
+    def trace(self, index: int) -> StepTrace:
+        tree, verdict = self.tree, self.verdict
+        q = len(tree)
+        mask = self.mask
+        if mask is None:  # a one-token step runs with the model's own causal mask: all of the prefix, itself
+            mask = torch.zeros((1, 1, 1, self.prefix_len + 1))
+        return StepTrace(
+            step=index, prefix_len=self.prefix_len, query=[int(t) for t in self.query],
+            matched_len={lk.source: int(lk.matched_len) for lk in self.lookups},
+            branches=aggregate_branches(self.lookups),
+            tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), tree_depths=tree.depths.tolist(),
+            tree_scores=[float(s) for s in tree.scores], tree_sources=list(tree.sources),
+            position_ids=self.positions[0].tolist(), mask=mask, model_choices=list(verdict.model_choices[:q]),
+            accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
+            new_tokens=list(self.new_tokens), timings_ms=dict(self.timings_ms))
+
+
+def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: Sequence[Store], cfg: DecodeConfig,
+              max_budget: int, chooser, gen: Optional[torch.Generator], room: int) -> Step:
+    """One REST step: retrieve, draft tree, forward, verify, commit.  Extends `context`, `cache` and the stores."""
+    timer = PhaseTimer(sync=(lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else None)
+    prefix_len = len(context) - 1
+    budget = max(0, min(max_budget, lm.max_positions - prefix_len - 1))
+    with timer("retrieve"):
+        query = query_suffix(context, cfg.retrieve)
+        lookups = retrieve(query, stores, cfg.retrieve) if budget > 0 else []
+    with timer("tree"):
+        tree = build_draft_tree(context[-1], lookups, budget, dict(cfg.source_weights)) if lookups \
+            else root_only(context[-1])
+        if chooser is not None:
+            budget = chooser.choose(tree)
+            tree = prune_tree(tree, budget)
+    with timer("forward"):
+        logits, positions, mask = tree_forward(lm, tree, prefix_len, cache)
+    with timer("verify"):
+        verdict = verify(tree, logits, cfg.sampling, gen)
+    with timer("commit"):
+        compact_cache(cache, prefix_len, verdict.accepted_nodes)
+        proposed = [int(tree.tokens[n]) for n in verdict.accepted_nodes[1:]] + [verdict.bonus_token]
+        new, stop = _cut(proposed, room, lm.eos_token_ids, cfg.stop_at_eos)
+        context.extend(new)
+        for store in stores:
+            store.extend(new)
+    return Step(prefix_len, query, lookups, budget, tree, positions, mask, logits, verdict, new, stop, timer.ms)
+
+
+class RestDecoder:
+    """REST decoding over any stores (datastores.Store; see datastores.assemble_stores).
+
+    Every store is told where each request stands (begin / extend / end), so the request
+    store follows the answer and the history store learns finished answers.
+    `budget_chooser` (a cost.CostModel) picks the draft size per step when the config
+    leaves draft_budget to it; without one the budget is DEFAULT_BUDGET.
     """
 
-    def __init__(self, lm: LoadedModel, static_store=None, history_store=None, use_request_store: bool = True,
-                 budget_chooser=None):
+    def __init__(self, lm: LoadedModel, stores: Sequence[Store] = (), budget_chooser=None):
         self.lm = lm
-        self.static_store = static_store
-        self.history_store = history_store
-        self.use_request_store = use_request_store
+        self.stores = list(stores)
         self.budget_chooser = budget_chooser
 
-    # -- public API -------------------------------------------------------
     def generate(self, prompt: Sequence[int], cfg: DecodeConfig = DecodeConfig(), hook: Optional[StepHook] = None,
                  update_history: bool = True) -> DecodeResult:
+        """Decode; `hook` (if any) receives a StepTrace per step; `update_history` lets stores keep the answer."""
         steps = self._run(prompt, cfg, want_trace=hook is not None, update_history=update_history)
         while True:
             try:
                 trace = next(steps)
             except StopIteration as done:
                 return done.value
-            if hook is not None:
-                hook(trace)
+            hook(trace)
 
     def stream(self, prompt: Sequence[int], cfg: DecodeConfig = DecodeConfig(),
                update_history: bool = True) -> Iterator[StepTrace]:
         """Yield a StepTrace per step; the generator's return value is the DecodeResult."""
         return (yield from self._run(prompt, cfg, want_trace=True, update_history=update_history))
 
-    # -- the loop -----------------------------------------------------------
     @torch.inference_mode()
     def _run(self, prompt: Sequence[int], cfg: DecodeConfig, want_trace: bool, update_history: bool):
         cfg.validate()
         lm = self.lm
-        room = _check_prompt(lm, prompt, cfg)
+        room = check_prompt(lm, prompt, cfg)
         gen = cfg.sampling.generator(lm.device)
-        eos = lm.eos_token_ids
-        weights = dict(cfg.source_weights)
-        stores = [s for s in (self.static_store, self.history_store) if s is not None]
-        if self.use_request_store:
-            from datastores import RequestStore
-
-            stores.insert(1 if self.static_store is not None else 0,
-                          RequestStore(prompt, n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min))
-        request_store = next((s for s in stores if s.source == "request"), None)
-
+        chooser = self.budget_chooser if cfg.draft_budget is None else None
+        max_budget = cfg.draft_budget if cfg.draft_budget is not None else \
+            (chooser.max_budget if chooser is not None else DEFAULT_BUDGET)
+        for store in self.stores:
+            store.begin(prompt, cfg.retrieve.n_max, cfg.retrieve.n_min)
         start = time.perf_counter()
         cache = _prefill(lm, prompt)
         _sync(lm.device)
-        prefill_s = time.perf_counter() - start
+        res = DecodeResult(list(prompt), [], "", 0, 0.0, time.perf_counter() - start, "context",
+                           phase_ms={p: 0.0 for p in PHASES})
         context = list(prompt)
-        out: list[int] = []
-        res = DecodeResult(list(prompt), out, "", 0, 0.0, prefill_s, "context",
-                           phase_ms={p: 0.0 for p in ("retrieve", "tree", "forward", "verify", "commit")})
-        chooser = self.budget_chooser if cfg.draft_budget is None else None
-        if cfg.draft_budget is not None:
-            max_budget = cfg.draft_budget
-        else:
-            max_budget = chooser.max_budget if chooser is not None else DEFAULT_BUDGET
-        step = 0
-        while len(out) < room:
-            prefix_len = len(context) - 1
-            budget = max(0, min(max_budget, lm.max_positions - prefix_len - 1))
-
-            t0 = time.perf_counter()
-            query = query_suffix(context, cfg.retrieve)
-            lookups = retrieve(query, stores, cfg.retrieve) if budget > 0 else []
-            t1 = time.perf_counter()
-            tree = build_draft_tree(context[-1], lookups, budget, weights) if lookups else root_only(context[-1])
+        while len(res.tokens) < room:
+            step = rest_step(lm, cache, context, self.stores, cfg, max_budget, chooser, gen, room - len(res.tokens))
+            _tally(res, step)
             if chooser is not None:
-                budget = chooser.choose(tree)
-                tree = prune_tree(tree, budget)
-            q = len(tree)
-            ids = torch.from_numpy(tree.tokens).to(lm.device).unsqueeze(0)  # (1, q)
-            positions = tree_positions(tree, prefix_len, lm.device)  # (1, q)
-            mask = tree_mask(tree, prefix_len, lm.dtype, lm.device) if q > 1 else None  # (1, 1, q, prefix+q)
-            t2 = time.perf_counter()
-            logits = lm.forward(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                cache=cache).logits[0]  # (q, V)
-            _sync(lm.device)
-            t3 = time.perf_counter()
-            verdict = verify(tree, logits, cfg.sampling, gen)
-            t4 = time.perf_counter()
-            compact_cache(cache, prefix_len, verdict.accepted_nodes)
-            proposed = [int(tree.tokens[n]) for n in verdict.accepted_nodes[1:]] + [verdict.bonus_token]
-            new, reason = _cut(proposed, room - len(out), eos, cfg.stop_at_eos)
-            out.extend(new)
-            context.extend(new)
-            if request_store is not None:
-                request_store.extend(new)
-            t5 = time.perf_counter()
-
-            timings = {"retrieve": (t1 - t0) * 1e3, "tree": (t2 - t1) * 1e3, "forward": (t3 - t2) * 1e3,
-                       "verify": (t4 - t3) * 1e3, "commit": (t5 - t4) * 1e3}
-            for phase, ms in timings.items():
-                res.phase_ms[phase] += ms
-            res.retrieve_ms.append(timings["retrieve"])
-            res.budgets.append(budget)
-            res.draft_tokens += q - 1
-            res.accepted_drafts += min(len(verdict.accepted_nodes) - 1, len(new))  # committed drafts only
-            res.no_draft_steps += q == 1
-            res.steps += 1
-            if chooser is not None:
-                chooser.observe(tree, verdict.accepted_nodes, timings["forward"])
+                chooser.observe(step.tree, step.verdict.accepted_nodes, step.timings_ms["forward"])
             if want_trace:
-                yield self._trace(step, prefix_len, query, lookups, tree, positions, mask, logits, verdict,
-                                  new, timings)
-            step += 1
-            if reason is not None:
-                res.stop_reason = "context" if reason == "length" and room < cfg.max_new_tokens else reason
+                yield step.trace(res.steps - 1)
+            if step.stop is not None:
+                res.stop_reason = "context" if step.stop == "length" and room < cfg.max_new_tokens else step.stop
                 break
         res.wall_s = time.perf_counter() - start
-        res.text = lm.tokenizer.decode(out, skip_special_tokens=True)
-        if chooser is not None:
-            chooser.save_stats()
-        if update_history and self.history_store is not None and out:
-            self.history_store.add(out)
-            if getattr(self.history_store, "path", None) is not None:
-                self.history_store.save()
+        res.text = lm.tokenizer.decode(res.tokens, skip_special_tokens=True)
+        for store in self.stores:
+            store.end(res.tokens, update_history)
         return res
 
-    @staticmethod
-    def _trace(step, prefix_len, query, lookups, tree, positions, mask, logits, verdict, new, timings) -> StepTrace:
-        branches = []
-        for lk in lookups:
-            if lk.continuations.shape[0] == 0:
-                continue
-            uniq, counts = np.unique(lk.continuations, axis=0, return_counts=True)
-            found = [Branch(lk.source, tuple(int(t) for t in row if t >= 0), int(count))
-                     for row, count in zip(uniq, counts)]
-            branches.extend(sorted(found, key=lambda b: (-b.count, b.tokens)))
-        q = len(tree)
-        if mask is None:  # a one-token step runs with the model's own causal mask: all of the prefix, itself
-            mask = torch.zeros((1, 1, 1, prefix_len + 1))
-        return StepTrace(
-            step=step, prefix_len=prefix_len, query=[int(t) for t in query],
-            matched_len={lk.source: int(lk.matched_len) for lk in lookups},
-            branches=branches,
-            tree_tokens=tree.tokens.tolist(), tree_parents=tree.parents.tolist(), tree_depths=tree.depths.tolist(),
-            tree_scores=[float(s) for s in tree.scores], tree_sources=list(tree.sources),
-            position_ids=positions[0].tolist(), mask=mask, model_choices=list(verdict.model_choices[:q]),
-            accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
-            new_tokens=list(new), timings_ms=timings)
 
+def _tally(res: DecodeResult, step: Step) -> None:
+    """Add one step to the decode's totals."""
+    res.tokens.extend(step.new_tokens)
+    for phase, ms in step.timings_ms.items():
+        res.phase_ms[phase] += ms
+    res.retrieve_ms.append(step.timings_ms["retrieve"])
+    res.budgets.append(step.budget)
+    res.draft_tokens += len(step.tree) - 1
+    res.accepted_drafts += min(len(step.verdict.accepted_nodes) - 1, len(step.new_tokens))  # committed drafts only
+    res.no_draft_steps += len(step.tree) == 1
+    res.steps += 1

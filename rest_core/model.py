@@ -12,12 +12,20 @@ import importlib.util
 import inspect
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlparse
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from datastores import cache_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -66,9 +74,36 @@ class LoadedModel:
 
 def cache_root() -> Path:
     """The project cache (REST_LAB_CACHE or ~/.cache/rest-lab): one definition, the datastores'."""
-    from datastores import cache_dir
-
     return cache_dir()
+
+
+ATTENTION = "rest_sdpa"  # transformers' SDPA attention, with grouped-query heads shared under a tree mask
+
+
+def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       is_causal=None, **kwargs):
+    """SDPA that shares key/value heads across query heads (grouped-query attention) also when a
+    tree mask is given.  transformers' own SDPA path repeats the whole cache per layer in that case
+    (on CPU only an environment variable changes that, for the whole process); the numbers are the
+    same.  Anything unusual (bias, softcap, no key/value groups, an uncropped causal prefill) goes to
+    transformers' function unchanged.
+    query: (B, heads, q, D); key/value: (B, kv_heads, kv, D); attention_mask: (B|1, 1, q, kv) or None."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = q_len > 1 and attention_mask is None and (is_causal if is_causal is not None
+                                                       else getattr(module, "is_causal", True))
+    plain = (groups > 1 and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+             and not (causal and kv_len != q_len))
+    if not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=causal, enable_gqa=True)  # (B, heads, q, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, gqa_sdpa_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
 
 
 def default_model_name() -> str:
@@ -111,8 +146,6 @@ def ensure_default_model() -> str:
     gguf = _gguf_path()
     if gguf is None:
         return DEFAULT_HUB_ID  # no offline copy: the hub must be reachable
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     print(f"Converting the default model from {gguf.name} (once; about 30 s)...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -155,9 +188,6 @@ def _friendly(name: str, source: str, err: Exception) -> ModelLoadError:
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the Hugging Face hub answers at all (a quick TCP check, so offline failures come fast)."""
-    import socket
-    from urllib.parse import urlparse
-
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return False
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
@@ -174,7 +204,7 @@ def _from_pretrained(loader, source: str, **kwargs):
         return loader.from_pretrained(source, **kwargs)
     try:
         return loader.from_pretrained(source, local_files_only=True, **kwargs)
-    except Exception:  # noqa: BLE001 - not cached: ask the hub if there is one
+    except Exception:  # not cached: ask the hub if there is one
         if not hub_reachable():
             raise OSError(f"{source!r} is neither a local folder nor in the Hugging Face cache, "
                           f"and the hub cannot be reached from this machine") from None
@@ -182,20 +212,28 @@ def _from_pretrained(loader, source: str, **kwargs):
 
 
 def load_tokenizer(model: Optional[str] = None, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
     name, source = resolve_source(model)
     try:
         return _from_pretrained(AutoTokenizer, source, trust_remote_code=trust_remote_code)
-    except Exception as err:  # noqa: BLE001 - every failure becomes one clear message
+    except Exception as err:  # every failure becomes one clear message
         raise _friendly(name, source, err) from err
+
+
+def load_network(source: str, dtype: torch.dtype, trust_remote_code: bool = False):
+    """The causal LM at `source` with REST's attention (plain "sdpa" where the model's code does not
+    go through transformers' attention interface)."""
+    kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        return _from_pretrained(AutoModelForCausalLM, source, attn_implementation=ATTENTION, **kwargs)
+    except ValueError as err:
+        if ATTENTION not in str(err):
+            raise
+        return _from_pretrained(AutoModelForCausalLM, source, attn_implementation="sdpa", **kwargs)
 
 
 def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                trust_remote_code: bool = False) -> LoadedModel:
     """Load model and tokenizer, ready for decoding (eval mode, no grad needed)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dev = pick_device(device)
     torch_dtype = pick_dtype(dev, dtype)
     if dev.type == "cpu" and torch_dtype != torch.float32:
@@ -203,16 +241,12 @@ def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype:
     name, source = resolve_source(model)
     try:
         tokenizer = _from_pretrained(AutoTokenizer, source, trust_remote_code=trust_remote_code)
-        # sdpa/eager honour a custom 4D tree mask; flash-attention kernels would ignore it
-        net = _from_pretrained(AutoModelForCausalLM, source, dtype=torch_dtype, attn_implementation="sdpa",
-                               trust_remote_code=trust_remote_code)
-    except Exception as err:  # noqa: BLE001
+        # SDPA honours a custom 4D tree mask (flash-attention kernels would ignore it); models whose
+        # code does not go through transformers' attention interface keep plain "sdpa"
+        net = load_network(source, torch_dtype, trust_remote_code)
+    except Exception as err:  # every failure becomes one clear message
         raise _friendly(name, source, err) from err
     net.to(dev).eval()
-    if dev.type == "cpu":
-        # Let SDPA share key/value heads across query heads (grouped-query attention) also when a
-        # tree mask is given; otherwise every verify pass copies the whole cache per layer. Same numbers.
-        os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     return LoadedModel(model=net, tokenizer=tokenizer, name=name, source=source, device=dev, dtype=torch_dtype)
 
 

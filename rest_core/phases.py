@@ -13,8 +13,9 @@ the README.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 PHASES = ("retrieve", "tree", "forward", "verify", "commit")
 

@@ -6,8 +6,8 @@ Stores are independent; their answers are merged later, in the draft tree.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

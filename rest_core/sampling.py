@@ -34,10 +34,15 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}.")
 
     def generator(self, device: torch.device) -> Optional[torch.Generator]:
+        """A private CPU generator: seeded when a seed is given, else freshly seeded from the OS
+        (the global torch RNG is neither read nor reseeded)."""
         if self.greedy:
             return None
         gen = torch.Generator(device="cpu")
-        gen.manual_seed(self.seed if self.seed is not None else torch.seed())
+        if self.seed is not None:
+            gen.manual_seed(self.seed)
+        else:
+            gen.seed()  # a non-deterministic seed for this generator only
         return gen
 
 

@@ -12,20 +12,17 @@ cache); nodes 1.. are draft tokens sorted by depth; ``tree_parents[i] < i``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
-
-SOURCES = ("static", "request", "history")
-PHASES = ("retrieve", "tree", "forward", "verify", "commit")
 
 
 @dataclass
 class Branch:
     """One distinct continuation found by one source, with how often it occurred."""
 
-    source: str  # one of SOURCES
+    source: str  # the store's draft source name
     tokens: tuple[int, ...]
     count: int
 
@@ -35,7 +32,7 @@ class StepTrace:
     step: int  # 0-based index of this step (one forward pass)
     prefix_len: int  # tokens already in the KV cache when the step ran
     query: list[int]  # the newest context tokens that were looked up (longest suffix tried)
-    matched_len: dict[str, int]  # per source: length of the longest suffix that matched (0 = none)
+    matched_len: dict[str, int]  # per draft source: length of the longest suffix that matched (0 = none)
     branches: list[Branch]  # every retrieved continuation, aggregated per source
     tree_tokens: list[int]  # node token ids; node 0 = root (last committed token)
     tree_parents: list[int]  # parent node index; -1 for the root
@@ -49,7 +46,7 @@ class StepTrace:
     accepted_nodes: list[int]  # path from the root through every accepted draft node
     bonus_token: int  # the token the model produced after the last accepted node
     new_tokens: list[int]  # tokens committed by this step (accepted drafts + bonus), after EOS/length cuts
-    timings_ms: dict[str, float] = field(default_factory=dict)  # keys: PHASES
+    timings_ms: dict[str, float] = field(default_factory=dict)  # keys: rest_core.phases.PHASES
 
     @property
     def draft_size(self) -> int:
@@ -63,4 +60,3 @@ class StepTrace:
 
 
 StepHook = Callable[[StepTrace], None]
-OptionalHook = Optional[StepHook]

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rest_core.trace import SOURCES
-
 
 @dataclass
 class DraftTree:
@@ -55,39 +53,44 @@ def source_weight(source: str, matched_len: int, base: dict[str, float]) -> floa
     return base.get(source, 1.0) * matched_len if matched_len > 0 else 0.0
 
 
-def build_draft_tree(root_token: int, lookups, budget: int, base_weights: dict[str, float] | None = None) -> DraftTree:
-    """Top-`budget` prefixes over all sources' continuations, flattened by depth."""
-    base_weights = base_weights or {}
+def _stack_rows(lookups, base_weights: dict[str, float]):
+    """All sources' continuation rows in one (k, L) array, each row's source index, and the
+    weight of one row per source.  None when nothing can be drafted."""
+    names = list(dict.fromkeys(lk.source for lk in lookups))  # draft sources in store order (ties go first)
     blocks, src_ids = [], []
-    unit = np.zeros(len(SOURCES))  # weight of one continuation row, per source
+    unit = np.zeros(len(names))  # weight of one continuation row, per source
     for lk in lookups:
         rows = lk.continuations
         w = source_weight(lk.source, lk.matched_len, base_weights)
         if rows.shape[0] == 0 or w <= 0:
             continue
-        s_id = SOURCES.index(lk.source)
+        s_id = names.index(lk.source)
         unit[s_id] = w / rows.shape[0]
         blocks.append(rows)
         src_ids.append(np.full(rows.shape[0], s_id, dtype=np.int64))
-    if budget <= 0 or not blocks:
-        return root_only(root_token)
+    if not blocks:
+        return None
     width = max(b.shape[1] for b in blocks)
     rows = np.concatenate([np.pad(b, ((0, 0), (0, width - b.shape[1])), constant_values=-1) for b in blocks])
-    src = np.concatenate(src_ids)
+    return rows, np.concatenate(src_ids), unit, names
 
+
+def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> tuple[dict, float]:
+    """Every distinct prefix of the rows as a candidate node: depth, last token, score, first
+    sorted row, parent candidate and dominant source, as flat arrays; plus the total weight."""
     order = np.lexsort(rows.T[::-1])  # (k,) sort by column 0, then 1, ...
     rows, src = rows[order], src[order]
-    k = rows.shape[0]
+    k, width = rows.shape
     differs = np.ones_like(rows, dtype=bool)  # (k, L)
     differs[1:] = rows[1:] != rows[:-1]
     new_group = np.logical_or.accumulate(differs, axis=1)  # row i opens a new prefix at depth d
     # per-source row counts as exact integers, so equal counts give bit-equal scores (clean ties)
-    cum_src = np.zeros((len(SOURCES), k + 1), dtype=np.int64)  # (S, k+1)
-    for s_id in range(len(SOURCES)):
+    cum_src = np.zeros((unit.size, k + 1), dtype=np.int64)  # (S, k+1)
+    for s_id in range(unit.size):
         cum_src[s_id, 1:] = np.cumsum(src == s_id)
     total = float(cum_src[:, -1] @ unit)
 
-    cand_depth, cand_token, cand_score, cand_start, cand_parent, cand_src = [], [], [], [], [], []
+    cand = {key: [] for key in ("depth", "token", "score", "start", "parent", "source")}
     prev_starts, prev_ids = None, None
     next_id = 0
     for d in range(width):
@@ -95,54 +98,58 @@ def build_draft_tree(root_token: int, lookups, budget: int, base_weights: dict[s
         ends = np.append(starts[1:], k)
         tokens = rows[starts, d]
         by_src = (cum_src[:, ends] - cum_src[:, starts]) * unit[:, None]  # (S, groups) weight per source
-        scores = by_src.sum(axis=0)
         if d == 0:
             parent = np.full(starts.shape[0], -1)
-        else:
-            # the depth-(d-1) group that contains each depth-d group
-            parent_group = np.searchsorted(prev_starts, starts, side="right") - 1
-            parent = prev_ids[parent_group]
+        else:  # the depth-(d-1) group that contains each depth-d group
+            parent = prev_ids[np.searchsorted(prev_starts, starts, side="right") - 1]
         valid = tokens >= 0
         if d > 0:
             valid &= parent >= 0  # parent must itself be a real token
         ids = np.full(starts.shape[0], -1)
         ids[valid] = np.arange(next_id, next_id + int(valid.sum()))
         next_id += int(valid.sum())
-        cand_depth.append(np.full(int(valid.sum()), d + 1))
-        cand_token.append(tokens[valid])
-        cand_score.append(scores[valid])
-        cand_start.append(starts[valid])
-        cand_parent.append(parent[valid])
-        cand_src.append(by_src[:, valid].argmax(axis=0))
+        for key, value in (("depth", np.full(int(valid.sum()), d + 1)), ("token", tokens[valid]),
+                           ("score", by_src.sum(axis=0)[valid]), ("start", starts[valid]),
+                           ("parent", parent[valid]), ("source", by_src[:, valid].argmax(axis=0))):
+            cand[key].append(value)
         prev_starts, prev_ids = starts, ids
         if not valid.any():
             break
-    depth = np.concatenate(cand_depth)
-    token = np.concatenate(cand_token)
-    score = np.concatenate(cand_score)
-    start = np.concatenate(cand_start)
-    parent = np.concatenate(cand_parent)
-    dominant = np.concatenate(cand_src)
-    if depth.size == 0:
+    return {key: np.concatenate(parts) for key, parts in cand.items()}, total
+
+
+def build_draft_tree(root_token: int, lookups, budget: int, base_weights: dict[str, float] | None = None) -> DraftTree:
+    """Top-`budget` prefixes over all sources' continuations, flattened by depth."""
+    stacked = _stack_rows(lookups, base_weights or {}) if budget > 0 else None
+    if stacked is None:
+        return root_only(root_token)
+    rows, src, unit, names = stacked
+    c, total = _prefix_candidates(rows, src, unit)
+    if c["depth"].size == 0:
         return root_only(root_token)
 
     # highest score first; ties: shallower first (keeps the set prefix-closed), then sorted-row order
-    keep = np.lexsort((start, depth, -score))[:budget]
-    keep = keep[np.lexsort((start[keep], depth[keep]))]  # flatten by depth, siblings in token order
-    new_index = np.full(depth.size, -1)
+    keep = np.lexsort((c["start"], c["depth"], -c["score"]))[:budget]
+    keep = keep[np.lexsort((c["start"][keep], c["depth"][keep]))]  # flatten by depth, siblings in token order
+    new_index = np.full(c["depth"].size, -1)
     new_index[keep] = np.arange(1, keep.size + 1)
-    parents = np.where(parent[keep] >= 0, new_index[np.maximum(parent[keep], 0)], 0)
+    parents = np.where(c["parent"][keep] >= 0, new_index[np.maximum(c["parent"][keep], 0)], 0)
     assert (parents >= 0).all() and (parents < np.arange(1, keep.size + 1)).all(), "kept prefixes must form a tree"
 
-    tree_tokens = np.concatenate([[root_token], token[keep]]).astype(np.int64)
+    tree_tokens = np.concatenate([[root_token], c["token"][keep]]).astype(np.int64)
     tree_parents = np.concatenate([[-1], parents]).astype(np.int64)
-    tree_depths = np.concatenate([[0], depth[keep]]).astype(np.int64)
-    tree_scores = np.concatenate([[total], score[keep]])
-    sources = [""] + [SOURCES[i] for i in dominant[keep]]
-    children: list[dict[int, int]] = [dict() for _ in range(keep.size + 1)]
-    for node in range(1, keep.size + 1):
-        children[int(tree_parents[node])][int(tree_tokens[node])] = node
-    return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources, children)
+    tree_depths = np.concatenate([[0], c["depth"][keep]]).astype(np.int64)
+    tree_scores = np.concatenate([[total], c["score"][keep]])
+    sources = [""] + [names[i] for i in c["source"][keep]]
+    return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources, _children(tree_tokens, tree_parents))
+
+
+def _children(tokens: np.ndarray, parents: np.ndarray) -> list[dict[int, int]]:
+    """Per node: token -> child node."""
+    children: list[dict[int, int]] = [dict() for _ in range(len(tokens))]
+    for node in range(1, len(tokens)):
+        children[int(parents[node])][int(tokens[node])] = node
+    return children
 
 
 def ancestors(parents) -> np.ndarray:
@@ -194,8 +201,5 @@ def prune_tree(tree: DraftTree, budget: int) -> DraftTree:
     new_index = np.full(len(tree), -1)
     new_index[keep] = np.arange(keep.size)
     parents = np.concatenate([[-1], new_index[tree.parents[keep[1:]]]]).astype(np.int64)
-    children: list[dict[int, int]] = [dict() for _ in range(keep.size)]
-    for node in range(1, keep.size):
-        children[int(parents[node])][int(tree.tokens[keep[node]])] = node
     return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep],
-                     [tree.sources[i] for i in keep], children)
+                     [tree.sources[i] for i in keep], _children(tree.tokens[keep], parents))

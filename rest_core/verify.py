@@ -1,4 +1,8 @@
-"""Verification: which drafted tokens the model agrees with, and its bonus token.
+"""Verification: one forward pass over the tree, then the walk that decides which
+drafted tokens the model agrees with, and its bonus token.
+
+`tree_forward` flattens the tree for the model (node 0 = root, the last committed
+token; positions prefix_len + depth; the tree mask) and runs it in one pass.
 
 Greedy: from the root, descend into the child whose token is the model's argmax;
 when no child matches (or at a leaf) the argmax is the bonus token.  The result
@@ -19,7 +23,7 @@ from typing import Optional
 import torch
 
 from rest_core.sampling import Sampling, draw_token, next_token_probs
-from rest_core.tree import DraftTree
+from rest_core.tree import DraftTree, tree_mask, tree_positions
 
 
 @dataclass
@@ -27,6 +31,20 @@ class Verdict:
     accepted_nodes: list[int]  # root first, then each accepted draft node
     bonus_token: int
     model_choices: list[int]  # per node: the verifier's token (drawn at visited nodes when sampling)
+
+
+def tree_forward(lm, tree: DraftTree, prefix_len: int, cache) -> tuple[torch.Tensor, torch.Tensor,
+                                                                       Optional[torch.Tensor]]:
+    """One model pass over every tree node; the cache grows by q entries (commit keeps the accepted ones).
+
+    Returns (logits (q, V), position ids (1, q), the 4D mask passed to the model or None for a
+    one-token step, which runs with the model's own causal mask)."""
+    q = len(tree)
+    ids = torch.from_numpy(tree.tokens).to(lm.device).unsqueeze(0)  # (1, q)
+    positions = tree_positions(tree, prefix_len, lm.device)  # (1, q)
+    mask = tree_mask(tree, prefix_len, lm.dtype, lm.device) if q > 1 else None  # (1, 1, q, prefix_len + q)
+    logits = lm.forward(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache).logits[0]
+    return logits, positions, mask
 
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:

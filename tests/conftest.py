@@ -1,12 +1,15 @@
 """Shared fixtures: a tiny randomly initialised model (fast, exact in fp32) and the default model."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from datastores.builtin import open_default_store
+from rest_core.model import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -31,9 +34,7 @@ class TinyTokenizer:
 def make_tiny_lm(vocab_size: int = 70_000, seed: int = 0, layers: int = 2, eos_token_id: int = 0,
                  max_positions: int = 512):
     """A LlamaConfig model with grouped-query attention and a vocabulary over 65,535 by default."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rest_core.model import LoadedModel
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -55,13 +56,9 @@ def tiny_lm():
 
 @pytest.fixture(scope="session")
 def default_lm():
-    from rest_core.model import load_model
-
     return load_model()
 
 
 @pytest.fixture(scope="session")
 def default_store(default_lm):
-    from datastores.builtin import open_default_store
-
     return open_default_store(default_lm.tokenizer)

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from datastores import StoreBase
+
 
 @dataclass
 class OracleLookup:
@@ -14,7 +16,7 @@ class OracleLookup:
     continuations: np.ndarray
 
 
-class BruteForceStore:
+class BruteForceStore(StoreBase):
     """Linear scan over a token list: longest suffix n_max..n_min, every occurrence with a continuation."""
 
     def __init__(self, tokens, source: str = "static"):

@@ -6,9 +6,10 @@ import json
 import numpy as np
 
 import rest_core.cost as cost
-from oracle import OracleLookup
-from rest_core.cost import GRID, CostModel
+from rest_core.cost import GRID, CostModel, monotone_fit
 from rest_core.tree import build_draft_tree
+
+from oracle import OracleLookup
 
 
 def curve(one_ms: float, slope_ms: float) -> np.ndarray:
@@ -70,9 +71,11 @@ def test_cached_calibration_is_reused_only_while_it_still_holds(tiny_lm, tmp_pat
     fake_measure.one_ms = 50.0
     first = CostModel.for_model(tiny_lm)
     assert calls == [GRID] and first.forward_ms(1) == 51.0
+    cost._CURVES.clear()  # a new process: only the file is left
     second = CostModel.for_model(tiny_lm)  # probe agrees: cached curve kept
     assert calls[-1] == (1,) and second.forward_ms(1) == 51.0
     fake_measure.one_ms = 200.0  # the machine got slower: measure again
+    cost._CURVES.clear()
     third = CostModel.for_model(tiny_lm)
     assert calls[-1] == GRID and third.forward_ms(1) == 201.0
     saved = json.loads(next((tmp_path / "cost").glob("*.json")).read_text())
@@ -93,14 +96,51 @@ def test_acceptance_is_learned_per_source_and_kept_between_runs(tmp_path):
     again = CostModel(times_ms=curve(50.0, 4.0), stats_path=tmp_path / "acc.json")
     again.load_stats()
     assert again.choose(static_tree) == 0 and again.choose(request_tree) == model.choose(request_tree)
-    np.testing.assert_allclose(again.accepted, model.accepted)
+    assert set(again.counts) == set(model.counts) == {"static", "request"}
+    for source in model.counts:
+        np.testing.assert_allclose(again.counts[source], model.counts[source])
 
 
 def test_monotone_fit_averages_a_spike_instead_of_lifting_everything_after_it():
-    from rest_core.cost import monotone_fit
-
     fitted = monotone_fit(np.array([50.0, 90.0, 60.0, 62.0, 100.0]))
     assert np.all(np.diff(fitted) >= 0)
     assert fitted[0] == 50.0 and fitted[-1] == 100.0
     assert fitted[1] == fitted[2] == fitted[3] == (90.0 + 60.0 + 62.0) / 3
     np.testing.assert_array_equal(monotone_fit(np.array([1.0, 2.0, 3.0])), [1.0, 2.0, 3.0])
+
+
+def test_curve_is_measured_once_per_process_and_stats_are_kept_per_store_set(tiny_lm, tmp_path, monkeypatch):
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
+    cost._CURVES.clear()
+    calls = []
+
+    def fake_measure(lm, prefix_len=96, repeats=3, grid=GRID):
+        calls.append(grid)
+        return np.array([50.0 + q for q in grid], dtype=float)
+
+    monkeypatch.setattr(cost, "measure_forward_curve", fake_measure)
+    static_only = [OracleLookup("static", 0, 0, None)]
+    static_only[0].label = "static:/a"
+    with_request = static_only + [OracleLookup("request", 0, 0, None)]
+    with_request[1].label = "request"
+    a = CostModel.for_model(tiny_lm, static_only)
+    b = CostModel.for_model(tiny_lm, with_request)
+    c = CostModel.for_model(tiny_lm, static_only)
+    assert calls == [GRID]  # one measurement for the whole process, no probe, no overwrite
+    assert a.stats_path == c.stats_path != b.stats_path
+    rows = np.array([[11, 12, 13]] * 4)
+    tree = build_draft_tree(1, [OracleLookup("request", 3, 4, rows)], budget=8)
+    b.observe(tree, [0, 1, 2, 3], forward_ms=60.0)
+    b.save_stats()
+    assert not a.stats_path.exists() and json.loads(b.stats_path.read_text())["sources"]["request"]
+    cost._CURVES.clear()
+
+
+def test_unreadable_acceptance_stats_are_ignored(tmp_path):
+    path = tmp_path / "acc.json"
+    for text in ("{not json", '{"bins": "x", "sources": []}', json.dumps({"bins": cost.BINS.tolist(),
+                                                                          "sources": {"static": [[1, 2]]}})):
+        path.write_text(text)
+        model = CostModel(times_ms=curve(50.0, 4.0), stats_path=path)
+        model.load_stats()
+        assert model.counts == {}

@@ -11,13 +11,27 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
-from datastores import (SEP, DatastoreError, HistoryStore, RequestStore, TokenDatastore,
-                        build_datastore, build_from_token_documents, iter_jsonl, iter_text_files,
-                        reversed_suffix_array, tokenizer_fingerprint)
-from datastores.static import LEFT_CONTEXT_TOKENS
+from datastores import (
+    SEP,
+    DatastoreError,
+    HistoryStore,
+    RequestStore,
+    TokenDatastore,
+    build_datastore,
+    build_from_token_documents,
+    iter_jsonl,
+    iter_text_files,
+    reversed_suffix_array,
+    tokenizer_fingerprint,
+)
+from datastores.static import LEFT_CONTEXT_TOKENS, SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS
+from rest_core.datastore_cli import main
 
-FAST = settings(max_examples=int(os.environ.get("DATASTORES_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=int(os.environ.get("DATASTORES_EXAMPLES", "150")), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------- brute force reference
@@ -107,7 +121,7 @@ def test_static_lookup_equals_brute_force(docs, ctx, n_max, n_min, max_matches, 
         ext = tuple(reversed(ctx[-max(n_max, LEFT_CONTEXT_TOKENS):]))
         lcp = {i: next((t for t, (a, b) in enumerate(zip(backward(stream, i), ext)) if a != b),
                        min(len(ext), i + 1)) for i in occ}
-        level = max(l for l in range(len(ext) + 1) if sum(v >= l for v in lcp.values()) >= max_matches)
+        level = max(n for n in range(len(ext) + 1) if sum(v >= n for v in lcp.values()) >= max_matches)
         inner = [i for i in occ if lcp[i] > level]
         left = [i for i in occ if lcp[i] == level and backward(stream, i) < ext]
         right = [i for i in occ if lcp[i] == level and backward(stream, i) >= ext]
@@ -228,9 +242,6 @@ def test_history_persistence_round_trip(tmp_path):
 
 # ---------------------------------------------------------------- building from text
 def word_tokenizer(words: str = "def return import class self x y if else for in"):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {"[UNK]": 0}
     for w in words.split():
         vocab.setdefault(w, len(vocab))
@@ -359,8 +370,6 @@ def test_open_refuses_damaged_store(built, damage):
 
 
 def test_verify_catches_what_sampling_misses(tmp_path):
-    from datastores.static import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS
-
     rng = np.random.default_rng(0)
     path = tmp_path / "s"
     store = build_from_token_documents(path, [rng.integers(0, 1000, size=600_000)])
@@ -385,8 +394,6 @@ def test_open_missing_directory(tmp_path):
 
 
 def test_cli_build_info_and_errors(tmp_path, capsys):
-    from rest_core.datastore_cli import main
-
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("x y if x return y")

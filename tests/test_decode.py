@@ -6,15 +6,19 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from scipy.stats import chi2
 from transformers import DynamicCache
 
-from conftest import make_tiny_lm
-from oracle import BruteForceStore
+import rest_core.verify as verify_mod
+from datastores import HistoryStore, assemble_stores
 from rest_core.commit import compact_cache
 from rest_core.decode import DecodeConfig, PromptError, RestDecoder, plain_generate
 from rest_core.retrieve import RetrieveSettings
-from rest_core.sampling import Sampling
+from rest_core.sampling import Sampling, draw_token, next_token_probs
 from rest_core.tree import build_draft_tree, tree_mask, tree_positions
+
+from conftest import make_tiny_lm
+from oracle import BruteForceStore, OracleLookup
 
 PROMPTS = [[5, 9, 69_999, 3], [65_536, 65_537, 12], [2], list(range(100, 140))]
 
@@ -34,7 +38,7 @@ def store_from_plain(lm, prompt, n, noise_seed=0):
 def test_greedy_rest_equals_plain_greedy(tiny_lm, prompt):
     plain, store = store_from_plain(tiny_lm, prompt, 40)
     cfg = DecodeConfig(max_new_tokens=40, draft_budget=12, stop_at_eos=False)
-    rest = RestDecoder(tiny_lm, static_store=store, use_request_store=True).generate(prompt, cfg)
+    rest = RestDecoder(tiny_lm, stores=assemble_stores(static=store)).generate(prompt, cfg)
     assert rest.tokens == plain.tokens
     assert rest.steps < plain.steps  # drafts were really accepted
     # every step adds a bonus token, except a last step cut at max_new_tokens
@@ -46,14 +50,14 @@ def test_greedy_with_only_wrong_drafts_still_exact(tiny_lm):
     plain = plain_generate(tiny_lm, prompt, DecodeConfig(max_new_tokens=20, stop_at_eos=False))
     rng = np.random.default_rng(1)
     store = BruteForceStore(rng.integers(0, 50, size=3000).tolist() + prompt[-2:] + [1, 2, 3, 4])
-    rest = RestDecoder(tiny_lm, static_store=store, use_request_store=False).generate(
+    rest = RestDecoder(tiny_lm, stores=assemble_stores(static=store, request=False)).generate(
         prompt, DecodeConfig(max_new_tokens=20, draft_budget=8, stop_at_eos=False))
     assert rest.tokens == plain.tokens
 
 
 def test_no_match_is_an_ordinary_one_token_step(tiny_lm):
     traces = []
-    dec = RestDecoder(tiny_lm, static_store=BruteForceStore([1, 2, 3]), use_request_store=False)
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(static=BruteForceStore([1, 2, 3]), request=False))
     res = dec.generate([40, 41], DecodeConfig(max_new_tokens=3, draft_budget=8, stop_at_eos=False),
                        hook=traces.append)
     assert res.no_draft_steps == res.steps == 3
@@ -64,7 +68,7 @@ def test_trace_reports_exactly_what_the_model_saw(tiny_lm):
     prompt = PROMPTS[1]
     plain, store = store_from_plain(tiny_lm, prompt, 24)
     traces = []
-    res = RestDecoder(tiny_lm, static_store=store).generate(
+    res = RestDecoder(tiny_lm, stores=assemble_stores(static=store)).generate(
         prompt, DecodeConfig(max_new_tokens=24, draft_budget=10, stop_at_eos=False), hook=traces.append)
     assert [t for tr in traces for t in tr.new_tokens] == res.tokens == plain.tokens
     for tr in traces:
@@ -83,8 +87,6 @@ def test_trace_reports_exactly_what_the_model_saw(tiny_lm):
 
 def test_kv_compaction_equals_recomputation(tiny_lm):
     """Verify a branching tree, keep a path that is not the first nodes, compare with a fresh prefill."""
-    from oracle import OracleLookup
-
     model = tiny_lm.model
     prefix = [7, 8, 9, 10, 11]
     rows = np.array([[20, 21, 22], [30, 31, 32], [30, 33, 34], [20, 23, -1]])
@@ -114,10 +116,11 @@ def test_eos_and_max_new_tokens_cut_the_accepted_path(tiny_lm):
     eos = plain.tokens[7]  # pretend the 8th token is EOS
     lm = make_tiny_lm(eos_token_id=eos)
     store = BruteForceStore(list(prompt) + plain.tokens)
-    res = RestDecoder(lm, static_store=store).generate(prompt, DecodeConfig(max_new_tokens=30, draft_budget=16))
+    res = RestDecoder(lm, stores=assemble_stores(static=store)).generate(
+        prompt, DecodeConfig(max_new_tokens=30, draft_budget=16))
     first = plain.tokens.index(eos)
     assert res.tokens == plain.tokens[: first + 1] and res.stop_reason == "eos"
-    res = RestDecoder(tiny_lm, static_store=store).generate(
+    res = RestDecoder(tiny_lm, stores=assemble_stores(static=store)).generate(
         prompt, DecodeConfig(max_new_tokens=5, draft_budget=16, stop_at_eos=False))
     assert res.tokens == plain.tokens[:5] and res.stop_reason == "length"
 
@@ -127,7 +130,7 @@ def test_same_seed_gives_the_same_sample_as_plain_sampling(tiny_lm):
     prompt = PROMPTS[0]
     plain = plain_generate(tiny_lm, prompt, DecodeConfig(max_new_tokens=30, sampling=sampling, stop_at_eos=False))
     store = BruteForceStore(list(prompt) + plain.tokens)
-    rest = RestDecoder(tiny_lm, static_store=store).generate(
+    rest = RestDecoder(tiny_lm, stores=assemble_stores(static=store)).generate(
         prompt, DecodeConfig(max_new_tokens=30, sampling=sampling, draft_budget=8, stop_at_eos=False))
     assert rest.tokens == plain.tokens
     assert rest.steps < plain.steps
@@ -136,8 +139,6 @@ def test_same_seed_gives_the_same_sample_as_plain_sampling(tiny_lm):
 # -- exact sampling: the distribution of REST samples equals plain sampling's -----------------------------
 
 def _exact_sequence_probs(lm, prompt, sampling, length, vocab):
-    from rest_core.sampling import next_token_probs
-
     probs = {}
     with torch.inference_mode():
         for seq in itertools.product(range(vocab), repeat=length):
@@ -152,8 +153,6 @@ def _exact_sequence_probs(lm, prompt, sampling, length, vocab):
 
 
 def _chi_square_p(observed: dict, expected_probs: dict, n: int) -> float:
-    from scipy.stats import chi2
-
     cells = sorted(expected_probs, key=lambda s: -expected_probs[s])
     stat, dof, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
     for seq in cells:  # pool cells with expected count < 5 into one
@@ -172,7 +171,7 @@ def _chi_square_p(observed: dict, expected_probs: dict, n: int) -> float:
 
 def _sample_many(lm, prompt, sampling, store, runs, length):
     counts = {}
-    dec = RestDecoder(lm, static_store=store, use_request_store=False)
+    dec = RestDecoder(lm, stores=assemble_stores(static=store, request=False))
     for seed in range(runs):
         cfg = DecodeConfig(max_new_tokens=length, draft_budget=6, stop_at_eos=False,
                            sampling=Sampling(sampling.temperature, sampling.top_k, sampling.top_p, seed),
@@ -200,9 +199,6 @@ def test_rest_sampling_matches_plain_distribution():
 
 def test_the_chi_square_check_catches_the_biased_reference_rule(monkeypatch):
     """Sampling each child independently and re-drawing fresh on rejection favours drafted tokens."""
-    import rest_core.verify as verify_mod
-    from rest_core.sampling import draw_token, next_token_probs
-
     def biased(tree, logits, cfg, gen, choices=None):
         choices = logits.argmax(-1).tolist()
         path, node = [0], 0
@@ -233,7 +229,7 @@ def test_the_chi_square_check_catches_the_biased_reference_rule(monkeypatch):
 # -- bad input ---------------------------------------------------------------------------------------------
 
 def test_empty_and_too_long_prompts_are_refused_clearly(tiny_lm):
-    dec = RestDecoder(tiny_lm, use_request_store=False)
+    dec = RestDecoder(tiny_lm)
     with pytest.raises(PromptError, match="empty"):
         dec.generate([], DecodeConfig())
     with pytest.raises(PromptError, match="shorten"):
@@ -254,10 +250,48 @@ def test_empty_and_too_long_prompts_are_refused_clearly(tiny_lm):
 ])
 def test_wrong_settings_are_refused_clearly(tiny_lm, cfg, message):
     with pytest.raises(ValueError, match=message):
-        RestDecoder(tiny_lm, use_request_store=False).generate([1, 2], cfg)
+        RestDecoder(tiny_lm).generate([1, 2], cfg)
 
 
 def test_generation_near_the_context_limit_stops_cleanly(tiny_lm):
-    res = RestDecoder(tiny_lm, use_request_store=False).generate([3] * 508, DecodeConfig(max_new_tokens=50,
+    res = RestDecoder(tiny_lm).generate([3] * 508, DecodeConfig(max_new_tokens=50,
                                                                                           stop_at_eos=False))
     assert len(res.tokens) == 4 and res.stop_reason == "context"
+
+
+# -- fixed on the way --------------------------------------------------------------------------------------
+
+def test_unseeded_sampling_leaves_the_global_rng_alone(tiny_lm):
+    cfg = DecodeConfig(max_new_tokens=4, sampling=Sampling(temperature=1.0))
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    plain_generate(tiny_lm, [1, 2, 3], cfg)
+    RestDecoder(tiny_lm, stores=assemble_stores()).generate([1, 2, 3], cfg)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_history_store_follows_the_requested_suffix_lengths(tiny_lm):
+    history = HistoryStore(n_max=16, n_min=2)  # indexed for n_min=2, as the command line opened it
+    history.add([5, 6, 7, 8, 9])
+    cfg = DecodeConfig(max_new_tokens=6, draft_budget=4, retrieve=RetrieveSettings(n_max=4, n_min=1))
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(history=history, request=False, n_max=4, n_min=1))
+    res = dec.generate([1, 2, 5], cfg)  # a one-token suffix (5) must be looked up, not refused
+    assert res.tokens == plain_generate(tiny_lm, [1, 2, 5], cfg).tokens
+    assert history.lookup([5], n_max=4, n_min=1).matched_len == 1
+    assert len(history) == 2  # the answer was kept (in memory: the decoder writes no files)
+
+
+def test_a_fixed_budget_of_zero_is_recorded_as_zero():
+    assert DecodeConfig(draft_budget=0).settings()["draft_budget"] == 0
+    assert DecodeConfig(draft_budget=None).settings()["draft_budget"] == "auto"
+    assert DecodeConfig(draft_budget=7).settings()["draft_budget"] == 7
+
+
+def test_stores_learn_only_through_their_lifecycle(tiny_lm, tmp_path):
+    history = HistoryStore(path=tmp_path / "h.npz")
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(history=history))
+    dec.generate([1, 2, 3], DecodeConfig(max_new_tokens=5))
+    assert len(history) == 1 and not (tmp_path / "h.npz").exists()  # kept in memory, saved by its owner
+    dec.generate([1, 2, 3], DecodeConfig(max_new_tokens=5), update_history=False)
+    assert len(history) == 1

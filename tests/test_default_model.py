@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+import rest_core.model as model_mod
+from datastores import DatastoreError, assemble_stores, build_from_token_documents
+from datastores.builtin import open_static_store
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
 from rest_core.model import ModelLoadError, encode_prompt, load_model
 
@@ -25,15 +28,15 @@ def test_greedy_rest_is_identical_to_plain_on_the_default_model(default_lm, defa
     prompt = encode_prompt(default_lm.tokenizer, text, chat=chat)
     cfg = DecodeConfig(max_new_tokens=48, draft_budget=12)
     plain = plain_generate(default_lm, prompt, cfg)
-    rest = RestDecoder(default_lm, static_store=default_store).generate(prompt, cfg)
+    rest = RestDecoder(default_lm, stores=assemble_stores(static=default_store)).generate(prompt, cfg)
     assert rest.tokens == plain.tokens
     assert rest.steps <= plain.steps
 
 
 def test_default_store_drafts_python(default_lm, default_store):
     prompt = encode_prompt(default_lm.tokenizer, "def fibonacci(n):")
-    res = RestDecoder(default_lm, static_store=default_store).generate(prompt, DecodeConfig(max_new_tokens=64,
-                                                                                            draft_budget=16))
+    res = RestDecoder(default_lm, stores=assemble_stores(static=default_store)).generate(
+        prompt, DecodeConfig(max_new_tokens=64, draft_budget=16))
     assert res.mean_accepted > 1.5
     assert default_store.n_tokens > 1_000_000
 
@@ -61,8 +64,6 @@ def test_cli_reports_bad_input_clearly():
 
 
 def test_unknown_model_offline_is_a_clear_error(monkeypatch, tmp_path):
-    import rest_core.model as model_mod
-
     monkeypatch.setattr(model_mod, "hub_reachable", lambda timeout_s=3.0: False)  # as on a machine with no hub
     with pytest.raises(ModelLoadError, match="What to do") as err:
         load_model("no-such-org/no-such-model-xyz")
@@ -74,9 +75,6 @@ def test_unknown_model_offline_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_mismatched_store_is_refused(default_lm, tmp_path):
-    from datastores import DatastoreError, build_from_token_documents
-    from datastores.builtin import open_static_store
-
     path = tmp_path / "other"
     build_from_token_documents(path, [[1, 2, 3, 4]], tokenizer_info={"name": "other", "fingerprint": "f" * 64,
                                                                      "vocab_size": 10})

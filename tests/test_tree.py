@@ -5,10 +5,12 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rest_core.tree import ancestor_matrix, build_draft_tree, prune_tree, tree_mask, tree_positions
 
 from oracle import OracleLookup
-from rest_core.tree import ancestor_matrix, build_draft_tree, tree_mask, tree_positions
 
 SOURCES = ("static", "request", "history")
 
@@ -135,8 +137,6 @@ def test_ties_are_broken_deterministically():
 @settings(max_examples=100, deadline=None)
 @given(lookups=lookups_strategy(), big=st.integers(1, 40), small=st.integers(0, 40))
 def test_pruning_a_tree_equals_building_it_with_the_smaller_budget(lookups, big, small):
-    from rest_core.tree import prune_tree
-
     small = min(small, big)
     pruned = prune_tree(build_draft_tree(9, lookups, big), small)
     direct = build_draft_tree(9, lookups, small)

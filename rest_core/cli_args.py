@@ -1,0 +1,52 @@
+"""Command-line arguments shared by `generate` and `bench`: model, stores, retrieval, sampling."""
+from __future__ import annotations
+
+import argparse
+
+from rest_core.decode import DecodeConfig
+from rest_core.retrieve import RetrieveSettings
+from rest_core.sampling import Sampling
+
+
+def add_decode_arguments(p: argparse.ArgumentParser) -> None:
+    """Model, store and decoding settings shared by generate and bench."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="hub id or local folder (default: SmolLM2-135M-Instruct, offline)")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    g.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16 (GPU only)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub (off by default)")
+    g = p.add_argument_group("stores")
+    g.add_argument("--datastore", default="default",
+                   help="'default' (Python sources, built on first use), 'none', or a store folder")
+    g.add_argument("--no-request-store", action="store_true", help="do not draft from the prompt and answer so far")
+    g.add_argument("--history", default="none",
+                   help="'none' (default), 'default' (persisted past answers) or a history file")
+    g = p.add_argument_group("retrieval and drafting")
+    g.add_argument("--n-max", type=int, default=16, help="longest context suffix looked up (default 16)")
+    g.add_argument("--n-min", type=int, default=2, help="shortest suffix that counts as a match (default 2)")
+    g.add_argument("--max-matches", type=int, default=5000, help="continuations taken per store (default 5000)")
+    g.add_argument("--continuation-len", type=int, default=10, help="tokens per continuation (default 10)")
+    g.add_argument("--budget", default="auto",
+                   help="draft tokens per step, or 'auto' to follow the measured cost model (default)")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-sequence token")
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    """The DecodeConfig the parsed arguments ask for (ValueError with the fix for a bad --budget)."""
+    if args.budget == "auto":
+        budget = None
+    else:
+        try:
+            budget = int(args.budget)
+        except ValueError:
+            raise ValueError(f"--budget must be a whole number or 'auto', got {args.budget!r}.") from None
+    return DecodeConfig(max_new_tokens=args.max_new_tokens,
+                        sampling=Sampling(args.temperature, args.top_k, args.top_p, args.seed),
+                        retrieve=RetrieveSettings(args.n_max, args.n_min, args.max_matches, args.continuation_len),
+                        draft_budget=budget, stop_at_eos=not args.no_eos)

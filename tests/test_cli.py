@@ -1,0 +1,52 @@
+"""The command line's wiring and the model loader's process hygiene."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from rest_core.model import ATTENTION, load_network
+
+from conftest import make_tiny_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_broken_benchmark_import_is_an_error_not_a_missing_command():
+    code = ("import sys; sys.modules['rest_core.bench.cli'] = None\n"
+            "try:\n    import rest_core.cli\nexcept ImportError as e:\n    print('IMPORT-ERROR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "IMPORT-ERROR" in out.stdout, out.stdout + out.stderr
+
+
+def test_cli_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "rest_core", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0
+    for command in ("generate", "bench", "traces", "datastore"):
+        assert command in out.stdout
+
+
+def test_loading_a_model_sets_no_process_wide_switch_and_keeps_the_numbers(tmp_path):
+    tiny = make_tiny_lm(vocab_size=300)
+    tiny.model.save_pretrained(tmp_path / "m")
+    os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
+    net = load_network(str(tmp_path / "m"), torch.float32).eval()
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    assert net.config._attn_implementation == ATTENTION
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    q = 3
+    mask = torch.zeros((1, 1, q, ids.shape[1]))
+    mask[0, 0, 1, -1] = torch.finfo(torch.float32).min  # a tree mask: node 1 does not see node 2
+    mask[0, 0, 0, -2:] = torch.finfo(torch.float32).min
+    with torch.inference_mode():
+        prefix = ids[:, :3]
+        ref_kw = dict(input_ids=ids[:, 3:], position_ids=torch.tensor([[3, 4, 4]]), attention_mask=mask)
+        ours = net(input_ids=prefix, use_cache=True)
+        got = net(**ref_kw, past_key_values=ours.past_key_values).logits
+        tiny_out = tiny.model(input_ids=prefix, use_cache=True)
+        want = tiny.model(**ref_kw, past_key_values=tiny_out.past_key_values).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
