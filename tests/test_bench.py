@@ -2,17 +2,37 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
-from conftest import make_tiny_lm
-from rest_core.bench.runner import (GREEDY_METHODS, SAMPLING_METHODS, SUMMARY_KEYS, chi_square, rotated, run_benchmark,
-                             run_retrieval, same_output)
-from rest_core.bench.suites import BenchPrompt, chat_prompts, load_suite
+import rest_core.cost
+from datastores import build_datastore, build_from_token_documents, iter_documents
+from rest_core.bench import (
+    GREEDY_METHODS,
+    SAMPLING_METHODS,
+    SUMMARY_KEYS,
+    TRACED,
+    BenchPrompt,
+    chat_prompts,
+    chi_square,
+    load_suite,
+    report,
+    rotated,
+    run_benchmark,
+    run_retrieval,
+)
+from rest_core.bench.runner import _compare
+from rest_core.cli import _parser
+from rest_core.compare import identical
 from rest_core.decode import DecodeConfig, plain_generate
 from rest_core.sampling import Sampling
+from rest_core.traces.recorder import TraceRecorder
+
+from conftest import make_tiny_lm
 
 PROMPTS = [(5, 6, 7, 5, 6, 7, 5, 6), (11, 12, 13, 14, 11, 12)]
 TINY_TOKENIZER = {"name": "tiny", "fingerprint": None, "vocab_size": 70_000}
@@ -49,8 +69,6 @@ def lm():
 @pytest.fixture(scope="module")
 def store(lm, tmp_path_factory):
     """A static store holding the tiny model's own greedy continuations: rest_static gets accepted drafts."""
-    from datastores import build_from_token_documents
-
     docs = [list(p) + plain_generate(lm, p, DecodeConfig(max_new_tokens=12)).tokens for p in PROMPTS]
     return build_from_token_documents(tmp_path_factory.mktemp("store") / "s", docs, tokenizer_info=TINY_TOKENIZER)
 
@@ -74,6 +92,10 @@ def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
         assert summ[m]["prompts_ok"] == 2 and summ[m]["prompts_failed"] == 0
     assert "Machine:" in md and "python -m rest_core bench --suite tiny" in md
     assert data["machine"]["torch_threads"] >= 1 and data["machine"]["cpu"]
+    # the CPU in the machine line: model name, vendor where the OS says it, the instruction set torch uses
+    cap = torch.backends.cpu.get_cpu_capability()
+    assert data["machine"]["cpu_capability"] == cap and f"torch uses {cap}" in md
+    assert data["machine"]["cpu"] in md and (data["machine"]["cpu_vendor"] or "") in md
     recs = data["records"]
     assert len(recs) == 2 * len(GREEDY_METHODS) and all(r["ok"] for r in recs)
     # interleaved, the order rotating per prompt
@@ -86,7 +108,7 @@ def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
     ref = {r["prompt"]: r["tokens"] for r in recs if r["method"] == "hf_greedy"}
     for m in GREEDY_METHODS:
         mine = [r for r in recs if r["method"] == m]
-        same = sum(same_output(ref[r["prompt"]], r["tokens"], lm.eos_token_ids) for r in mine)
+        same = sum(identical(ref[r["prompt"]], r["tokens"], lm.eos_token_ids) for r in mine)
         assert summ[m]["identical"] == same and summ[m]["compared"] == 2
     assert summ["plain"]["identical"] == 2  # fp32: our plain loop is generate()'s greedy output
     assert summ["rest_static"]["identical"] == 2 and summ["rest_full"]["identical"] == 2
@@ -157,8 +179,6 @@ def test_chi_square_tells_a_fair_sampler_from_a_biased_one():
 
 
 def test_retrieval_mode_builds_prefixes_and_reads_meta(tmp_path):
-    from datastores import build_datastore, iter_documents
-
     texts = [text for _, text, _ in chat_prompts()]
     base = build_datastore(tmp_path / "base", Chars(), iter_documents((str(i), t * 3) for i, t in enumerate(texts)),
                            progress=False)
@@ -172,14 +192,13 @@ def test_retrieval_mode_builds_prefixes_and_reads_meta(tmp_path):
         assert r["inside"]["n"] == 50 and r["inside"]["p99_us"] >= r["inside"]["p50_us"] > 0
         assert r["heldout"]["n"] == 50 and r["heldout"]["hit_rate"] > 0
         assert r["bytes_per_token"] > 0 and r["suffix_array_tokens_per_s"] > 0
-    again = run_retrieval(base, [1000], count=10, out_dir=None, png=False, progress=False, cache_root=tmp_path / "bench-stores")
+    again = run_retrieval(base, [1000], count=10, out_dir=None, png=False, progress=False,
+                          cache_root=tmp_path / "bench-stores")
     assert again["stores"][0]["built_at"] == rows[0]["built_at"]  # cached, not rebuilt
     assert "| 1,000 |" in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_suites_and_the_command_line():
-    from rest_core.cli import _parser
-
     chat = chat_prompts()
     assert len(chat) >= 40 and len({pid for pid, _, _ in chat}) == len(chat)
     assert sum(g for _, _, g in chat) >= 15  # input-grounded prompts
@@ -195,16 +214,25 @@ def test_suites_and_the_command_line():
     assert args.func.__name__ == "run_bench" and args.limit == 2 and args.methods == ["plain", "rest_full"]
 
 
-def test_outputs_compare_up_to_the_shorter_length_cut_at_eos():
-    assert same_output([1, 2, 0, 5], [1, 2, 0, 7], {0})  # after EOS nothing counts
-    assert same_output([1, 2, 3], [1, 2], set())  # a shorter output that agrees so far
-    assert not same_output([1, 2, 3], [1, 3, 3], set())
-    assert not same_output([1, 0], [1, 2, 0], {0})  # one stopped where the other went on
+def test_outputs_are_identical_only_when_equal_token_for_token_cut_at_eos():
+    assert identical([1, 2, 0, 5], [1, 2, 0, 7], {0})  # after EOS nothing counts
+    assert not identical([1, 2, 3], [1, 2], set())  # a shorter output is a different output
+    assert not identical([1, 2, 3], [1, 3, 3], set())
+    assert not identical([1, 0], [1, 2, 0], {0})  # one stopped where the other went on
+
+
+def test_the_bench_counts_a_shorter_output_as_different(lm):
+    """It used to compare up to the shorter output: a method that stopped early counted as identical."""
+    prompt = BenchPrompt("p", "p", (5, 6, 7))
+    by_method = {"plain": {"ok": True, "tokens": [1, 2, 3]}, "rest_full": {"ok": True, "tokens": [1, 2]},
+                 "rest_static": {"ok": True, "tokens": [1, 2, 3, 0, 9]}}
+    _compare(lm, prompt, by_method, greedy=False, eos={0})
+    assert by_method["plain"]["identical"] and not by_method["rest_static"]["identical"]
+    assert by_method["rest_full"]["identical"] is False
+    assert by_method["rest_full"]["difference"] == {"first_difference": 2}  # where the shorter one ends
 
 
 def test_recording_overhead_is_measured_against_the_same_method_untraced(lm, store, tmp_path):
-    from rest_core.bench.runner import TRACED
-
     res = run_benchmark(lm, _prompts(), DecodeConfig(max_new_tokens=8), ["rest_static", TRACED], store,
                         tmp_path / "out", png=False, progress=False)
     rc = res["recording"]
@@ -214,11 +242,53 @@ def test_recording_overhead_is_measured_against_the_same_method_untraced(lm, sto
     base = rc["per_method"]["rest_static"]
     assert rc["overhead_per_step"] == pytest.approx(rc["per_method"][TRACED]["ms_per_step"] / base["ms_per_step"] - 1)
     # the traced runs decode the same tokens, and every step landed in the database
-    from rest_core.traces.recorder import TraceRecorder
-
     rec = TraceRecorder(rc["db_path"])
     stored = [len(rec.load_steps(r["id"])) for r in rec.list_runs()]
     assert sum(stored) == rc["db_steps"]
     assert len(stored) == len(traced) + 1  # plus the untimed warm-up
     assert sum(stored) > sum(r["steps"] for r in traced)
     assert "Recording every step" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_one_bench_run_measures_the_forward_curve_once(lm, store, monkeypatch):
+    """Each REST method's cost model used to re-measure the curve and overwrite the one calibration file."""
+    measured, saved = [], []
+    measure, save = rest_core.cost.measure_forward_curve, rest_core.cost.CostModel.save_stats
+    monkeypatch.setattr(rest_core.cost, "measure_forward_curve",
+                        lambda *a, **kw: measured.append(1) or measure(*a, **kw))
+    monkeypatch.setattr(rest_core.cost.CostModel, "save_stats", lambda self: saved.append(self) or save(self))
+    res = run_benchmark(lm, _prompts(), DecodeConfig(max_new_tokens=6), ["plain", "rest_static", "rest_full"], store,
+                        None, png=False, progress=False)
+    assert all(r["ok"] for r in res["records"])
+    assert len(measured) == 1
+    # the bench owns the choosers: each REST decode (warm-up included) keeps its own chooser's counts
+    assert len(saved) == 2 * (1 + len(PROMPTS)) and len({id(c) for c in saved}) == 2
+    assert len({c.stats_path for c in saved}) == 2  # acceptance is kept per set of stores
+
+
+class _Figure:
+    """Records the BROWSER_PATH kaleido would see while the PNG is written."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.seen = fail, []
+
+    def write_image(self, path, width, height):
+        self.seen.append(os.environ.get("BROWSER_PATH"))
+        if self.fail:
+            raise RuntimeError("no browser")
+
+
+def test_the_png_export_names_the_browser_for_itself_only(tmp_path, monkeypatch):
+    """BROWSER_PATH used to be set for the whole process and left behind."""
+    chromium = tmp_path / "chromium"
+    chromium.write_text("")
+    monkeypatch.setattr(report, "CHROMIUM", chromium)
+    monkeypatch.delenv("BROWSER_PATH", raising=False)
+    fig, broken = _Figure(), _Figure(fail=True)
+    assert report.write_png(fig, tmp_path / "a.png") is None
+    assert fig.seen == [str(chromium)] and "BROWSER_PATH" not in os.environ
+    assert "no browser" in report.write_png(broken, tmp_path / "b.png")
+    assert broken.seen == [str(chromium)] and "BROWSER_PATH" not in os.environ
+    monkeypatch.setenv("BROWSER_PATH", "/opt/my-chrome")  # the user's own choice is used and left alone
+    assert report.write_png(fig, tmp_path / "c.png") is None
+    assert fig.seen[-1] == "/opt/my-chrome" and os.environ["BROWSER_PATH"] == "/opt/my-chrome"

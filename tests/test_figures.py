@@ -8,13 +8,17 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
-from rest_core.traces import figures
-from rest_core.traces.recorder import TraceRecorder
-from rest_core.trace import PHASES, Branch, StepTrace
-from rest_core.traces.cli import main as traces_main
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_recorder import VOCAB, FakeTokenizer, make_trace, record_run, tree_mask
+
+from rest_core.phases import PHASES
+from rest_core.trace import Branch, StepTrace
+from rest_core.traces import figures
+from rest_core.traces.cli import main as traces_main
+from rest_core.traces.palette import FALLBACK_COLOURS, tint
+from rest_core.traces.recorder import TraceRecorder
+from rest_core.traces.runs import RUN_COLUMNS, tokens_per_s
 
 WORD = {w: i for i, w in enumerate(VOCAB)}
 
@@ -209,3 +213,72 @@ def test_a_step_cut_at_eos_counts_only_committed_tokens(rec):
     assert figures.token_origins(steps) == [(0, "static", " cat")]
     fig = figures.speed_figure(steps)
     assert [list(d.y) for d in fig.data if d.type == "bar"] == [[1], [0]]
+
+
+# ------------------------------------------------------------------ any source name, the run table
+
+def four_source_step() -> StepTrace:
+    """known_step with its drafts from a fourth source ('model') and an unknown one ('notes')."""
+    t = known_step()
+    t.tree_sources = ["", "notes", "model", "notes", "history"]
+    t.matched_len = {"static": 1, "request": 0, "history": 0, "model": 2, "notes": 1}
+    t.branches = [Branch("notes", (WORD[" cat"], WORD[" sat"]), 2), Branch("model", (WORD[" dog"],), 1)]
+    return t
+
+
+def test_a_fourth_and_an_unknown_source_round_trip_and_get_colours(rec, tmp_path, capsys):
+    t = four_source_step()
+    run_id = record_run(rec, [t])
+    step = rec.load_step(run_id, 0)
+    assert [n["source"] for n in step["nodes"]] == t.tree_sources
+    assert step["accepted_sources"] == ["notes"] and step["matched_len"] == t.matched_len
+    assert [b["source"] for b in step["branches"]] == ["notes", "model"]
+
+    known = {"static": "#0072B2", "request": "#E69F00", "history": "#009E73"}  # unchanged colours
+    assert {s: figures.source_color(s) for s in known} == known
+    assert figures.source_color("model") not in known.values()
+    notes = figures.source_color("notes")
+    assert notes in FALLBACK_COLOURS and notes == figures.source_color("notes")
+    assert all(figures.source_color(f"upload {k}") in FALLBACK_COLOURS for k in range(20))
+
+    fig = figures.draft_tree_figure(step)
+    colours = {d.name: d.marker.color for d in node_traces(fig)}
+    assert colours == {"root (last committed token)": figures.source_color(""),
+                       "drafted by history": known["history"], "drafted by model": figures.source_color("model"),
+                       "drafted by notes": notes}
+    assert [d.name for d in node_traces(fig)][:2] == ["root (last committed token)", "drafted by history"]
+
+    steps = rec.load_steps(run_id)
+    spans = figures.origin_spans(steps)
+    assert f'<span class="tok notes" style="background:{tint(notes, 0.35)};' in spans
+    assert 'title="step 0: accepted draft, notes"' in spans
+    assert "accepted draft, notes: 1 (50%)" in figures.origin_text_html(steps)
+
+    assert traces_main(["traces", "show", str(run_id), "--db", str(rec.path)]) == 0
+    header = next(ln for ln in capsys.readouterr().out.splitlines() if ln.split()[:2] == ["step", "prefix"])
+    assert [h for h in ("static", "request", "history", "model", "notes") if f"match {h}" in header] == [
+        "static", "request", "history", "model", "notes"]
+
+
+def test_origin_spans_stay_on_one_line_and_hide_tokens():
+    steps = [{"step": 0, "new_tokens": [1, 2, 3], "new_texts": ["def f():\n", "    return", " 1<2"], "accepted_len": 2,
+              "accepted_sources": ["static", "request"]},
+             {"step": 1, "new_tokens": [4, 5], "new_texts": [" x", "<|im_end|>"], "accepted_len": 0,
+              "accepted_sources": []}]
+    out = figures.origin_spans(steps, hide=frozenset({"<|im_end|>"}))
+    assert "\n" not in out and out.count("&#10;") == 1 and "1&lt;2" in out and out.count("<span") == 4
+    assert out.count("border-left") == 2  # the first token of each step
+    assert "im_end" not in out and 'title="step 1: from the model (bonus token)"' in out
+
+
+def test_run_columns(rec):
+    run_id = record_run(rec, [make_trace(random.Random(9), step=k) for k in range(4)], speedup=1.234,
+                        identical=False)
+    run = rec.get_run(run_id)
+    assert [h for h, _ in RUN_COLUMNS] == ["id", "started (UTC)", "status", "model", "prompt", "new tokens", "steps",
+                                           "tokens/pass", "tokens/s", "speedup", "identical"]
+    row = dict((h, get(run)) for h, get in RUN_COLUMNS)
+    assert row["id"] == run_id and row["status"] == "done" and row["prompt"] == "the cat"
+    assert row["tokens/pass"] == round(run["new_tokens"] / 4, 2) and row["speedup"] == 1.23
+    assert row["tokens/s"] == round(tokens_per_s(run), 1) and row["identical"] == "no"
+    assert tokens_per_s({**run, "wall_s": None}) is None

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -20,11 +21,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rest_core.traces.recorder import TraceRecorder, decode_block, encode_block, full_mask, process_alive
-from rest_core.trace import PHASES, SOURCES, Branch, StepTrace
+from rest_core.phases import PHASES
+from rest_core.trace import Branch, StepTrace
+from rest_core.traces.liveness import process_alive
+from rest_core.traces.masks import decode_block, encode_block, full_mask
+from rest_core.traces.recorder import TraceRecorder
+from rest_core.traces.rows import MAX_BRANCHES_PER_SOURCE, _top_branches
 
+SOURCES = ("static", "request", "history")  # the sources of synthetic traces (any name is stored)
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = ["the", " cat", " sat", " on", " mat", "\n", " <b>", "&", " dog", " ran", " far", "def", "(", ")", ":"]
 V = 200  # token ids drawn in synthetic traces
@@ -345,9 +352,6 @@ def test_prompt_ids_default_path_and_finish_keeping_counts(tmp_path, monkeypatch
 
 
 def test_only_the_most_frequent_continuations_per_source_are_stored(tmp_path):
-    from rest_core.traces.recorder import MAX_BRANCHES_PER_SOURCE, TraceRecorder, _top_branches
-    from rest_core.trace import Branch
-
     many = [Branch("static", (i, i + 1), count=1 + (i % 7)) for i in range(200)]
     few = [Branch("request", (5, 6, 7), count=3), Branch("request", (5, 9), count=1)]
     kept = _top_branches(many + few, MAX_BRANCHES_PER_SOURCE)
@@ -356,3 +360,53 @@ def test_only_the_most_frequent_continuations_per_source_are_stored(tmp_path):
     assert min(b.count for b in static) >= max(b.count for b in many if b not in static)
     assert [b for b in kept if b.source == "request"] == few
     assert kept == [b for b in many + few if b in kept]  # the trace's order is kept
+
+
+# ------------------------------------------------------------------ open-ended sources, partial reads
+
+def with_sources(t: StepTrace, names: tuple[str, ...], rng: random.Random) -> StepTrace:
+    """The same step with its nodes, branches and matches spread over `names`."""
+    t.tree_sources = [""] + [rng.choice(names) for _ in t.tree_sources[1:]]
+    t.branches = [Branch(name, (1 + k, 2 + k), 1 + k) for k, name in enumerate(names)]
+    t.matched_len = {name: k for k, name in enumerate(names)}
+    return t
+
+
+def test_any_source_name_round_trips(rec):
+    names = ("static", "request", "history", "model", "notes", "my uploads ✓")
+    rng = random.Random(21)
+    traces = [with_sources(make_trace(rng, step=k, n_nodes=12, accept_p=0.9), names, rng) for k in range(3)]
+    run_id = record_run(rec, traces)
+    for t in traces:
+        assert_same_trace(t, rec.load_trace(run_id, t.step))
+        step = rec.load_step(run_id, t.step)
+        assert [b["source"] for b in step["branches"]] == list(names)
+        assert step["accepted_sources"] == [t.tree_sources[n] for n in t.accepted_nodes[1:]]
+    assert {n["source"] for t in traces for n in rec.load_step(run_id, t.step)["nodes"][1:]} == {
+        s for t in traces for s in t.tree_sources[1:]}
+
+
+def test_load_steps_since_step_and_step_count(rec):
+    rng = random.Random(22)
+    traces = [make_trace(rng, step=k, n_nodes=6) for k in range(5)]
+    run_id = record_run(rec, traces)
+    assert rec.step_count(run_id) == 5 and rec.step_count(run_id + 1) == 0
+    assert [s["step"] for s in rec.load_steps(run_id)] == [0, 1, 2, 3, 4]
+    assert [s["step"] for s in rec.load_steps(run_id, since_step=3)] == [3, 4]
+    assert rec.load_steps(run_id, since_step=3) == rec.load_steps(run_id)[3:]
+    assert rec.load_steps(run_id, since_step=5) == []
+    other = record_run(rec, [make_trace(rng, step=0)])
+    assert rec.step_count(other) == 1 and [s["run_id"] for s in rec.load_steps(other)] == [other]
+
+
+def test_a_failed_commit_rolls_back_and_the_recorder_goes_on(rec):
+    """A COMMIT can fail (here: a deferred foreign key); the transaction must not stay open."""
+    with pytest.raises(sqlite3.IntegrityError):
+        with rec._transaction() as conn:
+            conn.execute("PRAGMA defer_foreign_keys = ON")
+            conn.execute("INSERT INTO steps (run_id, step, prefix_len, tree_mask, mask_dtype) "
+                         "VALUES (12345, 0, 0, '[]', 'float32')")
+    assert not conn.in_transaction
+    assert rec.db.execute("SELECT count(*) FROM steps").fetchone()[0] == 0
+    run_id = record_run(rec, [make_trace(random.Random(23))])  # the next write works
+    assert rec.step_count(run_id) == 1

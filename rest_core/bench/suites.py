@@ -11,7 +11,8 @@ data to reformat), where drafting from the request store should pay off.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+
+from rest_core.model import encode_prompt
 
 SUITES = ("humaneval", "chat")
 
@@ -120,15 +121,15 @@ _CHAT_PROMPTS: list[tuple[str, str, bool]] = [
     ("code-list-vs-tuple", "What is the difference between a list and a tuple in Python? Give a short example of each.",
      False),
     ("code-binary-search", "Implement binary search in Python and state its time complexity.", False),
-    ("code-regex-date", "Write a regular expression that matches dates in the form YYYY-MM-DD and show how to use it "
-     "in Python.", False),
+    ("code-regex-date",
+     "Write a regular expression that matches dates in the form YYYY-MM-DD and show how to use it in Python.", False),
     ("code-git-undo", "How do I undo my last git commit but keep the changes in my working tree?", False),
     ("code-fix-bug", "This function should return the average of a list but gives wrong results. Fix it and return the "
      "corrected code:\n\n" + _CODE_BUG, True),
     ("code-type-hints", "Add type hints and a one-line docstring to each function below. Return the full code.\n\n"
      + _CODE_HINTS, True),
-    ("code-rename", "Rename the function to squares_of_evens and the variables to meaningful names. Return the code.\n\n"
-     + _CODE_RENAME, True),
+    ("code-rename", "Rename the function to squares_of_evens and the variables to meaningful names. Return the code."
+     + "\n\n" + _CODE_RENAME, True),
     ("code-js-to-python", "Translate this JavaScript function to Python:\n\n" + _CODE_JS, True),
     ("code-add-method", "Add an is_empty method and a __len__ method to this class and return the whole class:\n\n"
      + _CODE_CLASS, True),
@@ -186,10 +187,8 @@ def humaneval_prompts() -> list[tuple[str, str, bool]]:
     return [(task_id, problems[task_id]["prompt"], False) for task_id in problems]
 
 
-def load_suite(name: str, tokenizer, limit: Optional[int] = None) -> list[BenchPrompt]:
+def load_suite(name: str, tokenizer, limit: int | None = None) -> list[BenchPrompt]:
     """The suite's prompts, encoded for this tokenizer (first `limit` only when given)."""
-    from rest_core.model import encode_prompt
-
     if name == "humaneval":
         raw, chat = humaneval_prompts(), False
     elif name == "chat":

@@ -11,14 +11,15 @@ import argparse
 import html
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
+from rest_core.phases import PHASES
 from rest_core.traces import figures
 from rest_core.traces.recorder import TraceRecorder, default_db_path
-from rest_core.trace import PHASES, SOURCES
-
-Column = tuple[str, Callable[[dict], Any]]
+from rest_core.traces.rows import RunRow, StepDetail, StepRow
+from rest_core.traces.runs import RUN_COLUMNS, Column, short, tokens_per_s
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
@@ -47,43 +48,30 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def _short(text: Optional[str], n: int = 40) -> str:
-    text = (text or "").replace("\n", "↵")
-    return text if len(text) <= n else text[: n - 1] + "…"
+def _matched(source: str) -> Column:
+    return f"match {source}", lambda s: (s["matched_len"] or {}).get(source)
 
 
-def tokens_per_s(run: dict) -> Optional[float]:
-    return run["new_tokens"] / run["wall_s"] if run.get("wall_s") and run.get("new_tokens") is not None else None
+def _phase_ms(phase: str) -> Column:
+    return f"{phase} ms", lambda s: s[f"t_{phase}_ms"]
 
 
-RUN_COLUMNS: list[Column] = [
-    ("id", lambda r: r["id"]),
-    ("started (UTC)", lambda r: (r["started_at"] or "")[:19].replace("T", " ")),
-    ("status", lambda r: r["status"]),
-    ("model", lambda r: _short(r["model"], 24)),
-    ("steps", lambda r: r["steps"]),
-    ("new tok", lambda r: r["new_tokens"]),
-    ("tok/step", lambda r: r["mean_accepted"]),
-    ("wall s", lambda r: r["wall_s"]),
-    ("tok/s", tokens_per_s),
-    ("plain tok/s", lambda r: r["plain_tokens_per_s"]),
-    ("speedup", lambda r: r["speedup"]),
-    ("prompt", lambda r: _short(r["prompt"])),
-]
-
-STEP_COLUMNS: list[Column] = [
-    ("step", lambda s: s["step"]),
-    ("prefix", lambda s: s["prefix_len"]),
-    *[(f"match {src}", (lambda src: lambda s: (s["matched_len"] or {}).get(src))(src)) for src in SOURCES],
-    ("draft", lambda s: s["draft_size"]),
-    ("accepted", lambda s: s["accepted_len"]),
-    ("bonus", lambda s: figures.show_token(s["bonus_text"] or "")),
-    ("committed text", lambda s: _short(figures.show_token("".join(s["new_texts"])), 30)),
-    *[(f"{p} ms", (lambda p: lambda s: s[f"t_{p}_ms"])(p)) for p in PHASES],
-]
+def step_columns(steps: Sequence[StepRow]) -> list[Column]:
+    """The columns of `traces show`: one "match <source>" column per source the steps name."""
+    sources = dict.fromkeys(src for s in steps for src in (s["matched_len"] or {}))
+    return [
+        ("step", lambda s: s["step"]),
+        ("prefix", lambda s: s["prefix_len"]),
+        *map(_matched, sources),
+        ("draft", lambda s: s["draft_size"]),
+        ("accepted", lambda s: s["accepted_len"]),
+        ("bonus", lambda s: figures.show_token(s["bonus_text"] or "")),
+        ("committed text", lambda s: short(figures.show_token("".join(s["new_texts"])), 30)),
+        *map(_phase_ms, PHASES),
+    ]
 
 
-def run_summary(run: dict) -> list[tuple[str, str]]:
+def run_summary(run: RunRow) -> list[tuple[str, str]]:
     """(label, value) pairs describing a run, for text and HTML."""
     keys = ["id", "status", "error", "model", "tokenizer", "stores", "settings", "started_at", "finished_at",
             "prompt_tokens", "new_tokens", "steps", "mean_accepted", "wall_s", "plain_wall_s",
@@ -95,7 +83,7 @@ def run_summary(run: dict) -> list[tuple[str, str]]:
     return out
 
 
-def report_html(run: dict, steps: Sequence[dict], detailed: Sequence[dict], note: str = "") -> str:
+def report_html(run: RunRow, steps: Sequence[StepRow], detailed: Sequence[StepDetail], note: str = "") -> str:
     """One page with every figure of a run; plotly.js is inlined in the first figure only."""
     figs = [figures.speed_figure(steps, run), figures.acceptance_histogram(steps), figures.phase_breakdown(steps)]
     for step in detailed:
@@ -166,7 +154,7 @@ def run_traces(args: argparse.Namespace) -> int:
             width = max(len(k) for k, _ in run_summary(run))
             print("\n".join(f"{k.ljust(width)}  {v}" for k, v in run_summary(run)))
             print(f"{'output'.ljust(width)}  {run.get('output') or ''}\n")
-            print(format_table(steps, STEP_COLUMNS) if steps else "no steps recorded")
+            print(format_table(steps, step_columns(steps)) if steps else "no steps recorded")
             return 0
         shown = steps[: max(0, args.max_trees)]
         note = (f"Showing the first {len(shown)} of {len(steps)} steps (--max-trees)." if len(shown) < len(steps)

@@ -1,33 +1,47 @@
 """Figures of recorded REST runs: pure functions from stored rows to plotly figures.
 
 Inputs are the dicts `TraceRecorder.load_step` (one step: its nodes, branches and
-`mask_block`) and `TraceRecorder.load_steps` (every step row of a run) return, and
-the run dict of `get_run`.  No model or tokenizer is needed: token texts were
-stored when the step was recorded.
+`mask_block`, a `StepDetail`) and `TraceRecorder.load_steps` (the step rows of a run,
+`StepRow`s) return, and the run dict of `get_run` (a `RunRow`).  No model or
+tokenizer is needed: token texts were stored when the step was recorded.
 
-Palette: Okabe-Ito (safe for the common colour-vision deficiencies); fonts sized
-for a projector.
+Colours (`rest_core.traces.palette`): Okabe-Ito, one fixed colour per known source
+and a stable fallback for any other source name; fonts sized for a projector.  The
+tinted output text (`origin_spans`, `origin_text_html`) lives in
+`rest_core.traces.origins` and is re-exported here.
 """
 from __future__ import annotations
 
 import html
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from rest_core.trace import PHASES, SOURCES
+from rest_core.phases import PHASES
+from rest_core.traces.origins import ORIGIN_STYLES, origin_spans, origin_text_html, step_counts, token_origins
+from rest_core.traces.palette import (
+    ACCEPTED,
+    BLUE,
+    FONT,
+    GREY,
+    MODEL,
+    PHASE_COLOURS,
+    SOURCE_COLOURS,
+    VERMILLION,
+    source_color,
+    source_order,
+)
+from rest_core.traces.rows import NodeRow, RunRow, StepDetail, StepRow
+from rest_core.tree import ancestors
 
-BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
-    "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#7F7F7F")
-SOURCE_COLOURS = {"static": BLUE, "request": ORANGE, "history": GREEN, "": GREY}
-PHASE_COLOURS = dict(zip(PHASES, (BLUE, ORANGE, SKY, GREEN, PURPLE)))
-ACCEPTED = VERMILLION  # the accepted path
-MODEL = PURPLE  # tokens the model produced itself (bonus)
-FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=16, color="#222")
+__all__ = ["ORIGIN_STYLES", "SOURCE_COLOURS", "acceptance_histogram", "continuation_tree_figure",
+           "disagreement", "draft_tree_figure", "mask_heatmap", "origin_spans", "origin_text_html", "phase_breakdown",
+           "show_token", "source_color", "speed_figure", "step_counts", "token_origins", "tree_layout"]
 
 
 def show_token(text: str) -> str:
@@ -68,7 +82,7 @@ def tree_layout(parents: Sequence[int]) -> list[float]:
     return y
 
 
-def disagreement(step: dict) -> tuple[int, list[str], str]:
+def disagreement(step: StepDetail) -> tuple[int, list[str], str]:
     """(last accepted node, texts of its drafted children, the model's token there)."""
     nodes = step["nodes"]
     last = [n["node"] for n in nodes if n["accepted"]][-1]
@@ -76,7 +90,7 @@ def disagreement(step: dict) -> tuple[int, list[str], str]:
     return last, drafted, nodes[last]["model_choice_text"]
 
 
-def _tree_skeleton(nodes: Sequence[dict]) -> tuple[go.Figure, list, list]:
+def _tree_skeleton(nodes: Sequence[Mapping]) -> tuple[go.Figure, list, list]:
     """A figure holding the tree's edges, and the node coordinates (x = depth, y = tidy layout)."""
     parents = [n["parent"] for n in nodes]
     y = tree_layout(parents)
@@ -91,7 +105,7 @@ def _tree_skeleton(nodes: Sequence[dict]) -> tuple[go.Figure, list, list]:
     return fig, x, y
 
 
-def draft_tree_figure(step: dict) -> go.Figure:
+def draft_tree_figure(step: StepDetail) -> go.Figure:
     """The draft tree of one step: depth left to right, the accepted path in
     vermillion, node size by retrieval score, colour by source, and at the last
     accepted node what the draft offered against what the model chose."""
@@ -104,16 +118,14 @@ def draft_tree_figure(step: dict) -> go.Figure:
                              name="accepted path"))
 
     top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
-    for source in ["", *SOURCES, *sorted({n["source"] for n in nodes} - set(SOURCES) - {""})]:
+    for source in source_order(n["source"] for n in nodes):
         members = [n for n in nodes if n["source"] == source]
-        if not members:
-            continue
         fig.add_trace(go.Scatter(
             x=[x[n["node"]] for n in members], y=[y[n["node"]] for n in members],
             customdata=[n["node"] for n in members], mode="markers+text",
             text=[_label(n["token_text"]) for n in members], textposition="top center",
             textfont=dict(size=15, color=[ACCEPTED if n["accepted"] else "#222" for n in members]),
-            marker=dict(color=SOURCE_COLOURS.get(source, YELLOW),
+            marker=dict(color=source_color(source),
                         size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
                               for n in members],
                         line=dict(color=[MODEL if n["node"] == last else ACCEPTED if n["accepted"] else "white"
@@ -131,8 +143,8 @@ def draft_tree_figure(step: dict) -> go.Figure:
         x=[x[last] + 1], y=[bonus_y], mode="markers+text", text=[_label(step["bonus_text"])],
         textposition="middle right", textfont=dict(size=15, color=MODEL),
         marker=dict(symbol="star", size=24, color=MODEL), name="bonus token (the model's own)",
-        hovertext=[f"bonus token {_label(step['bonus_text'])} (id {step['bonus_token']})<br>"
-                   "produced by the verifying forward pass after the last accepted node"],
+        hovertext=[(f"bonus token {_label(step['bonus_text'])} (id {step['bonus_token']})<br>"
+                    "produced by the verifying forward pass after the last accepted node")],
         hoverinfo="text"))
     if drafted:
         note = f"draft: {', '.join(_label(t) for t in drafted)}, model: {_label(model_text)}"
@@ -155,7 +167,7 @@ def draft_tree_figure(step: dict) -> go.Figure:
         margin=dict(l=30, r=30, t=80, b=110))
 
 
-def _node_hover(n: dict) -> str:
+def _node_hover(n: NodeRow) -> str:
     if n["node"] == 0:
         head = f"root: last committed token {_label(n['token_text'])} (id {n['token_id']})"
         score = f"total retrieval weight {n['score']:g}"
@@ -170,18 +182,7 @@ def _node_hover(n: dict) -> str:
 
 # ------------------------------------------------------------------ tree mask
 
-def ancestry_block(parents: Sequence[int]) -> np.ndarray:
-    """The tree block a correct mask has: node i sees itself and its ancestors."""
-    n = len(parents)
-    block = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        block[i, i] = True
-        if parents[i] >= 0:
-            block[i] |= block[parents[i]]  # parents[i] < i: its row is complete
-    return block
-
-
-def mask_heatmap(step: dict, show_prefix: bool = True) -> go.Figure:
+def mask_heatmap(step: StepDetail, show_prefix: bool = True) -> go.Figure:
     """The tree block of the attention mask the model received (row = query node,
     column = key node), labelled with node tokens; an extra column stands for the
     prefix, which every node sees whole."""
@@ -202,7 +203,7 @@ def mask_heatmap(step: dict, show_prefix: bool = True) -> go.Figure:
         z=block.astype(int).tolist(), x=labels, y=labels, zmin=0, zmax=1, colorscale=scale, xgap=1, ygap=1,
         name="tree mask", hovertext=hover, hoverinfo="text",
         colorbar=dict(tickvals=[0.25, 0.75], ticktext=["blocked", "may attend"], len=0.4, thickness=18)))
-    wrong = int((block != ancestry_block([n["parent"] for n in nodes])).sum())
+    wrong = int((block != ancestors([n["parent"] for n in nodes])).sum())
     note = ("each node sees the whole prefix, itself and its ancestors" if not wrong else
             f"⚠ {wrong} cells differ from the draft tree's ancestry")
     fig.add_annotation(text=note, xref="paper", yref="paper", x=0, y=1.0, yanchor="bottom", showarrow=False,
@@ -219,15 +220,7 @@ def mask_heatmap(step: dict, show_prefix: bool = True) -> go.Figure:
 
 # ------------------------------------------------------------------ a run's steps
 
-def step_counts(step: dict) -> tuple[int, int]:
-    """(accepted draft tokens, model tokens) among the tokens a step committed
-    (an EOS or length cut can drop some of either)."""
-    committed = len(step["new_tokens"])
-    drafted = min(step["accepted_len"], committed)
-    return drafted, committed - drafted
-
-
-def speed_figure(steps: Sequence[dict], run: Optional[dict] = None) -> go.Figure:
+def speed_figure(steps: Sequence[StepRow], run: Optional[RunRow] = None) -> go.Figure:
     """Tokens per forward pass against plain decoding's one, per step and in total,
     and tokens per second against plain decoding when the run was compared."""
     run = run or {}
@@ -270,7 +263,7 @@ def speed_figure(steps: Sequence[dict], run: Optional[dict] = None) -> go.Figure
                   legend=dict(orientation="h", y=-0.2, x=0), margin=dict(t=110, b=130))
 
 
-def acceptance_histogram(steps: Sequence[dict]) -> go.Figure:
+def acceptance_histogram(steps: Sequence[StepRow]) -> go.Figure:
     """How many draft tokens each step accepted (the bonus token not counted)."""
     accepted = [s["accepted_len"] for s in steps]
     counts = Counter(accepted)
@@ -286,7 +279,7 @@ def acceptance_histogram(steps: Sequence[dict]) -> go.Figure:
                   yaxis=dict(title="steps"), bargap=0.15)
 
 
-def phase_breakdown(steps: Sequence[dict]) -> go.Figure:
+def phase_breakdown(steps: Sequence[StepRow]) -> go.Figure:
     """Milliseconds per phase: per step (stacked) and the mean share of each phase."""
     fig = make_subplots(rows=1, cols=2, column_widths=[0.68, 0.32], horizontal_spacing=0.12,
                         subplot_titles=["per step", "mean per step"])
@@ -311,72 +304,23 @@ def phase_breakdown(steps: Sequence[dict]) -> go.Figure:
                   legend=dict(orientation="h", y=-0.2, x=0), margin=dict(t=110, b=120))
 
 
-# ------------------------------------------------------------------ output text
-
-ORIGIN_STYLES = {  # background tints of the Okabe-Ito colours, dark text stays legible
-    "static": ("rgba(0,114,178,0.25)", "accepted draft, static store"),
-    "request": ("rgba(230,159,0,0.35)", "accepted draft, this request (prompt + output)"),
-    "history": ("rgba(0,158,115,0.30)", "accepted draft, history of past outputs"),
-    "model": ("rgba(204,121,167,0.30)", "from the model (bonus token)"),
-}
-
-
-def token_origins(steps: Sequence[dict]) -> list[tuple[int, str, str]]:
-    """(step, origin, text) for every committed token; origin is the source of an
-    accepted draft token, or 'model' for the token the model added itself."""
-    out = []
-    for s in steps:
-        drafted, _ = step_counts(s)
-        sources = s.get("accepted_sources") or []
-        for k, text in enumerate(s["new_texts"]):
-            origin = (sources[k] if k < len(sources) else "draft") if k < drafted else "model"
-            out.append((s["step"], origin, text))
-    return out
-
-
-def origin_text_html(steps: Sequence[dict], prompt: Optional[str] = None) -> str:
-    """The output text with every token tinted by where it came from, and a legend."""
-    tokens = token_origins(steps)
-    counts = Counter(origin for _, origin, _ in tokens)
-    spans, previous = [], None
-    for step, origin, text in tokens:
-        colour, what = ORIGIN_STYLES.get(origin, ("rgba(240,228,66,0.5)", f"accepted draft, {origin}"))
-        edge = "border-left:2px solid #999;" if step != previous else ""
-        previous = step
-        spans.append(f'<span class="tok {html.escape(origin)}" style="background:{colour};{edge}" '
-                     f'title="step {step}: {html.escape(what)}">{html.escape(text)}</span>')
-    legend = "".join(
-        f'<span style="background:{ORIGIN_STYLES.get(o, ("rgba(240,228,66,0.5)",))[0]};padding:2px 8px;'
-        f'margin-right:12px;border-radius:4px">{html.escape(ORIGIN_STYLES.get(o, ("", o))[1])}: {counts[o]} '
-        f'({100 * counts[o] / max(1, len(tokens)):.0f}%)</span>'
-        for o in list(ORIGIN_STYLES) + sorted(set(counts) - set(ORIGIN_STYLES)) if counts[o])
-    head = (f'<div style="color:#666;white-space:pre-wrap;margin-bottom:6px">{html.escape(prompt)}</div>'
-            if prompt else "")
-    return (f'<div class="rest-origin" style="font:17px/1.7 DejaVu Sans Mono, monospace;color:#111">'
-            f'<div style="font-family:DejaVu Sans, sans-serif;font-size:15px;margin-bottom:10px">{legend}'
-            f'<span style="color:#666">a grey bar marks the start of each step</span></div>{head}'
-            f'<div style="white-space:pre-wrap">{"".join(spans)}</div></div>')
-
-
 # ------------------------------------------------------------------ datastore explorer
 
-def continuation_tree_figure(nodes: Sequence[dict]) -> go.Figure:
+def continuation_tree_figure(nodes: Sequence[Mapping]) -> go.Figure:
     """The draft tree retrieval would propose, before any model checks it: depth left
     to right, node size by retrieval score, colour by the store contributing most.
     `nodes`: dicts with node, parent, depth, token_text, score, source (node 0 = root)."""
     fig, x, y = _tree_skeleton(nodes)
     top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
     total = nodes[0]["score"] if nodes and nodes[0]["score"] else top
-    for source in ["", *SOURCES, *sorted({n["source"] for n in nodes} - set(SOURCES) - {""})]:
+    for source in source_order(n["source"] for n in nodes):
         members = [n for n in nodes if n["source"] == source]
-        if not members:
-            continue
         fig.add_trace(go.Scatter(
             x=[x[n["node"]] for n in members], y=[y[n["node"]] for n in members],
             customdata=[n["node"] for n in members], mode="markers+text",
             text=[_label(n["token_text"]) for n in members], textposition="top center",
             textfont=dict(size=15, color="#222"),
-            marker=dict(color=SOURCE_COLOURS.get(source, YELLOW), line=dict(color="white", width=1),
+            marker=dict(color=source_color(source), line=dict(color="white", width=1),
                         size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
                               for n in members]),
             hovertext=[f"{_label(n['token_text'])}: depth {n['depth']}, "

@@ -1,0 +1,99 @@
+"""`python -m rest_core bench`: REST against plain decoding and Hugging Face generate(), measured.
+
+`--suite humaneval` or `--suite chat` runs every method on every prompt (see
+`rest_core.bench.runner`); `--suite retrieval` times store lookups against store size
+instead (see `rest_core.bench.retrieval`).  `rest_core.cli` adds this command with
+`add_bench_parser`, and the parsed arguments run through `run_bench`.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import shlex
+import sys
+from pathlib import Path
+
+from datastores import open_static_store
+from rest_core.bench.methods import GREEDY_METHODS, TRACED
+from rest_core.bench.report import markdown
+from rest_core.bench.retrieval import retrieval_markdown, run_retrieval
+from rest_core.bench.runner import run_benchmark
+from rest_core.bench.suites import SUITES, chat_prompts, humaneval_prompts, load_suite
+from rest_core.cli_args import add_decode_arguments, decode_config
+from rest_core.model import load_model, load_tokenizer
+
+__all__ = ["add_bench_parser", "run_bench"]
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `bench` command to a `python -m rest_core` subparsers object."""
+    p = subparsers.add_parser("bench", help="benchmark REST against plain decoding and HF generate()",
+                              description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--suite", default=None, choices=[*SUITES, "retrieval"],
+                   help="humaneval (164 completion prompts), chat (instruction prompts, chat template) or retrieval")
+    g.add_argument("--retrieval", action="store_true", help="the store lookup micro-benchmark (= --suite retrieval)")
+    g.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED,),
+                   help="default: all (greedy) or plain rest_static rest_full (sampling)")
+    g.add_argument("--out", default=None, help="output folder (default bench_out/<suite>-<timestamp>)")
+    g.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for generate()")
+    g.add_argument("--chi2-prompts", type=int, default=1, help="prompts for the first-token chi-square (sampling)")
+    g.add_argument("--chi2-seeds", type=int, default=200, help="seeds per prompt and method; 0 skips the check")
+    g.add_argument("--no-png", action="store_true", help="do not write chart.png")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--sizes", default="1000000,10000000",
+                   help="retrieval: store sizes in tokens, comma-separated (the full store is always added)")
+    g.add_argument("--contexts", type=int, default=2000, help="retrieval: lookups per context kind and store")
+    add_decode_arguments(p)
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def _command_line() -> str:
+    return "python -m rest_core " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed `bench` arguments describe; print results.md; return the exit status."""
+    suite = "retrieval" if args.retrieval else args.suite
+    if suite is None:
+        raise ValueError("Choose a suite: --suite humaneval, chat or retrieval.")
+    out = Path(args.out or Path("bench_out") / f"{suite}-{_dt.datetime.now():%Y%m%d-%H%M%S}")
+    if suite == "retrieval":
+        return _run_retrieval(args, out)
+    if args.history != "none" or args.no_request_store:
+        print("note: --history and --no-request-store are ignored by bench: each method fixes its stores",
+              file=sys.stderr)
+    cfg = decode_config(args)
+    cfg.validate()
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    prompts = load_suite(suite, lm.tokenizer, args.limit)
+    static = open_static_store(args.datastore, lm.tokenizer)
+    results = run_benchmark(lm, prompts, cfg, args.methods, static, out, suite=suite, datastore=args.datastore,
+                            command=_command_line(), prompt_lookup_tokens=args.prompt_lookup_tokens,
+                            chi2_prompts=args.chi2_prompts, chi2_seeds=args.chi2_seeds, png=not args.no_png,
+                            progress=not args.no_progress)
+    print(markdown(results))
+    print(f"results in {out}/ (results.json, results.md, chart.html"
+          f"{', chart.png' if (out / 'chart.png').exists() else ''})")
+    return 0
+
+
+def _run_retrieval(args: argparse.Namespace, out: Path) -> int:
+    tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    base = open_static_store(args.datastore, tokenizer)
+    if base is None:
+        raise ValueError("The retrieval benchmark needs a store: drop --datastore none.")
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--sizes must be whole numbers separated by commas, got {args.sizes!r}.") from None
+    texts = [t for _, t, _ in humaneval_prompts()] + [t for _, t, _ in chat_prompts()]
+    results = run_retrieval(base, sizes, tokenizer, texts, out, count=args.contexts,
+                            lookup={"n_max": args.n_max, "n_min": args.n_min, "max_matches": args.max_matches,
+                                    "continuation_len": args.continuation_len},
+                            command=_command_line(), png=not args.no_png, progress=not args.no_progress)
+    print(retrieval_markdown(results))
+    print(f"results in {out}/")
+    return 0

@@ -1,0 +1,207 @@
+"""The benchmark's methods, and one run of a method on one prompt, measured.
+
+Nothing here is estimated: forward passes, query sizes and forward times come from
+hooks on the model (`ForwardLog`), drafts and acceptances from the decoders' own counts.
+
+Methods
+  plain             our plain autoregressive loop
+  hf_greedy         transformers generate(do_sample=False): the reference output
+  hf_prompt_lookup  transformers generate(prompt_lookup_num_tokens=10)
+  rest_static       REST with the static store only (the paper's method)
+  rest_full         static + request + history stores; the history is in memory
+                    and holds this run's earlier answers of rest_full (empty at first)
+  rest_static_traced  (opt-in) rest_static with every step recorded to SQLite
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from datastores import HistoryStore, Store, assemble_stores, store_labels
+from rest_core.compare import cut_at_eos
+from rest_core.cost import CostModel
+from rest_core.decode import DecodeConfig, DecodeResult, RestDecoder, check_prompt, plain_generate
+from rest_core.model import LoadedModel
+from rest_core.traces.recorder import TraceRecorder
+
+GREEDY_METHODS = ("plain", "hf_greedy", "hf_prompt_lookup", "rest_static", "rest_full")
+SAMPLING_METHODS = ("plain", "rest_static", "rest_full")
+# opt-in: rest_static with every step recorded to SQLite, to measure the recorder's overhead
+TRACED = "rest_static_traced"
+SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full")
+REST_METHODS = ("rest_static", "rest_full", TRACED)
+
+
+class ForwardLog:
+    """Hooks on the model: the query length and wall time (ms) of every forward call."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device = device
+        self.calls: list[tuple[int, float]] = []
+        self._q = 0
+        self._t0 = 0.0
+        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         model.register_forward_hook(self._post, with_kwargs=True)]
+
+    def _pre(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is None and args:
+            ids = args[0]
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        self._q = int(ids.shape[1]) if ids is not None else 0
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, kwargs, output):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.calls.append((self._q, (time.perf_counter() - self._t0) * 1e3))
+
+    def reset(self) -> None:
+        self.calls = []
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class MethodRunner:
+    """Runs any method on a prompt and returns one raw record (numbers only measured here)."""
+
+    def __init__(self, lm: LoadedModel, static_store: Store | None, cfg: DecodeConfig, methods: Sequence[str],
+                 prompt_lookup_tokens: int = 10):
+        self.lm, self.cfg, self.methods = lm, cfg, tuple(methods)
+        self.eos = lm.eos_token_ids
+        self.prompt_lookup_tokens = prompt_lookup_tokens
+        self.cost_model = CostModel.for_model(lm)  # the calibrated curve, for the relative verify cost
+        self.history: HistoryStore | None = None
+        self.trace_dir: Path | None = None
+        self.recorder: TraceRecorder | None = None
+        if TRACED in self.methods:
+            self.trace_dir = Path(tempfile.mkdtemp(prefix="rest-bench-trace-"))
+            self.recorder = TraceRecorder(self.trace_dir / "trace.sqlite")
+        if "rest_full" in self.methods:
+            self.history = HistoryStore(path=None, n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
+        self.decoders = {m: self._decoder(m, static_store) for m in self.methods if m in REST_METHODS}
+        self.log = ForwardLog(lm.model, lm.device)
+
+    def _decoder(self, method: str, static_store: Store | None) -> RestDecoder:
+        """rest_static (and its traced twin): the static store only; rest_full: static, request and history."""
+        full = method == "rest_full"
+        stores = assemble_stores(static=static_store, request=full, history=self.history if full else None,
+                                 n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
+        auto = self.cfg.draft_budget is None  # a fixed budget needs no chooser
+        return RestDecoder(self.lm, stores=stores,
+                           budget_chooser=CostModel.for_model(self.lm, stores=stores) if auto else None)
+
+    def close(self) -> None:
+        self.log.close()
+
+    def _sync(self) -> None:
+        if self.lm.device.type == "cuda":
+            torch.cuda.synchronize(self.lm.device)
+
+    def run(self, method: str, prompt: Sequence[int], cfg: DecodeConfig | None = None,
+            update_history: bool = True) -> dict:
+        """One timed call of `method` on `prompt`; a failure is recorded in the record, never raised."""
+        cfg = cfg or self.cfg
+        rec = {"method": method, "ok": False, "error": None}
+        self.log.reset()
+        try:
+            if method.startswith("hf_"):
+                rec.update(self._run_hf(method, prompt, cfg))
+            else:
+                rec.update(self._run_ours(method, prompt, cfg, update_history))
+            rec["ok"] = True
+        except Exception as err:  # any failure of a method is recorded and the run goes on
+            rec["error"] = f"{type(err).__name__}: {err}"
+            rec["traceback"] = traceback.format_exc(limit=4)
+        finally:
+            self.log.reset()
+        return rec
+
+    def _decode(self, method: str, prompt: Sequence[int], cfg: DecodeConfig, update_history: bool) -> DecodeResult:
+        if method == "plain":
+            return plain_generate(self.lm, prompt, cfg)
+        decoder = self.decoders[method]
+        if method != TRACED:
+            return decoder.generate(prompt, cfg, update_history=update_history)
+        run_id = self.recorder.start_run(model=self.lm.name, tokenizer_name=self.lm.name,
+                                         stores=store_labels(decoder.stores), settings={"bench": True}, prompt="",
+                                         prompt_tokens=list(prompt))
+        res = decoder.generate(prompt, cfg, hook=self.recorder.step_hook(run_id, self.lm.tokenizer))
+        self.recorder.finish_run(run_id, output=res.text, new_tokens=res.new_tokens, steps=res.steps,
+                                 wall_s=res.wall_s, mean_accepted=res.mean_accepted)
+        return res
+
+    def _run_ours(self, method: str, prompt: Sequence[int], cfg: DecodeConfig, update_history: bool) -> dict:
+        t0 = time.perf_counter()
+        res = self._decode(method, prompt, cfg, update_history)
+        self._sync()
+        wall = time.perf_counter() - t0
+        chooser = self.decoders[method].budget_chooser if method in self.decoders else None
+        if chooser is not None:  # the decoder writes no files: the owner of the cost model keeps its counts
+            chooser.save_stats()
+        calls = list(self.log.calls)
+        steps = calls[len(calls) - res.steps:] if res.steps else []
+        rec = self._common(res.tokens, wall, calls, steps, forward_passes=res.steps)
+        speculative = method != "plain"
+        rec.update(prefill_calls=len(calls) - res.steps, stop_reason=res.stop_reason, steps=res.steps,
+                   accepted_drafts=res.accepted_drafts if speculative else 0,
+                   draft_tokens=res.draft_tokens if speculative else 0,
+                   no_draft_steps=res.no_draft_steps if speculative else res.steps,
+                   retrieve_ms=[round(x, 4) for x in res.retrieve_ms], budgets=list(res.budgets),
+                   phase_ms={k: round(v, 3) for k, v in res.phase_ms.items()},
+                   log_consistent=len(calls) == res.steps + (len(prompt) > 1))
+        return rec
+
+    def _hf_kwargs(self, method: str, room: int, cfg: DecodeConfig) -> dict:
+        eos = sorted(self.eos)
+        pad = getattr(self.lm.tokenizer, "pad_token_id", None)
+        pad = pad if isinstance(pad, int) else (eos[0] if eos else 0)
+        kw = {"max_new_tokens": room, "do_sample": False, "eos_token_id": (eos or None) if cfg.stop_at_eos else None,
+                  "pad_token_id": pad}
+        if method == "hf_prompt_lookup":
+            kw["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
+        return kw
+
+    def _run_hf(self, method: str, prompt: Sequence[int], cfg: DecodeConfig) -> dict:
+        if not cfg.sampling.greedy:
+            raise ValueError("The Hugging Face methods run greedy only in this benchmark.")
+        room = check_prompt(self.lm, prompt, cfg)  # the same room our loops get
+        ids = torch.tensor([list(prompt)], device=self.lm.device)  # (1, prompt_len)
+        kw = self._hf_kwargs(method, room, cfg)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.lm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+        self._sync()
+        wall = time.perf_counter() - t0
+        new = [int(t) for t in out[0, len(prompt):].tolist()]
+        if cfg.stop_at_eos:
+            new = cut_at_eos(new, self.eos)
+        calls = list(self.log.calls)
+        # the first call runs the prompt (plus any first drafts) and yields the first token; later calls feed
+        # the newest token plus the drafts to verify
+        drafts = ([max(0, calls[0][0] - len(prompt))] if calls else []) + [q - 1 for q, _ in calls[1:]]
+        rec = self._common(new, wall, calls, calls[1:], forward_passes=len(calls))
+        rec.update(prefill_calls=0, steps=len(calls),
+                   stop_reason="eos" if new and new[-1] in self.eos and cfg.stop_at_eos else "length",
+                   accepted_drafts=max(0, len(new) - len(calls)), draft_tokens=int(sum(drafts)),
+                   no_draft_steps=int(sum(d == 0 for d in drafts)), retrieve_ms=[], budgets=[], phase_ms={},
+                   log_consistent=bool(calls))
+        return rec
+
+    @staticmethod
+    def _common(tokens, wall: float, calls, step_calls, forward_passes: int) -> dict:
+        n = len(tokens)
+        return {"tokens": [int(t) for t in tokens], "new_tokens": n, "wall_s": wall,
+                "tokens_per_s": n / wall if wall > 0 else 0.0, "forward_passes": int(forward_passes),
+                "forward_calls": len(calls),
+                "step_query_sizes": [int(q) for q, _ in step_calls],
+                "step_forward_ms": [round(ms, 4) for _, ms in step_calls]}

@@ -1,0 +1,40 @@
+"""Colours of the trace figures and pages: Okabe-Ito (safe for the common
+colour-vision deficiencies), one fixed colour per known source and a stable
+fallback colour for any other source name."""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+from rest_core.phases import PHASES
+
+BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
+    "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#7F7F7F")
+SOURCE_COLOURS = {"static": BLUE, "request": ORANGE, "history": GREEN, "model": PURPLE, "": GREY}  # "" = root
+# Any other source: sky and yellow (the Okabe-Ito colours left), then Paul Tol's colour-blind-safe "muted" set.
+FALLBACK_COLOURS = (SKY, YELLOW, "#332288", "#44AA99", "#882255", "#999933", "#CC6677", "#AA4499")
+PHASE_COLOURS = dict(zip(PHASES, (BLUE, ORANGE, SKY, GREEN, PURPLE)))
+ACCEPTED = VERMILLION  # the accepted path
+MODEL = PURPLE  # tokens the model produced itself (bonus)
+FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=16, color="#222")
+
+
+def source_color(source: str) -> str:
+    """The CSS colour of a source: fixed for the known ones, otherwise a fallback colour
+    chosen by a hash of the name (the same in every process and on every page)."""
+    if source in SOURCE_COLOURS:
+        return SOURCE_COLOURS[source]
+    return FALLBACK_COLOURS[zlib.crc32(source.encode("utf-8")) % len(FALLBACK_COLOURS)]
+
+
+def source_order(sources: Iterable[str]) -> list[str]:
+    """Distinct source names for a legend: the root (""), the known sources, then the rest by name."""
+    present = set(sources)
+    known = [s for s in SOURCE_COLOURS if s in present]
+    return sorted(known, key=lambda s: s != "") + sorted(present - set(SOURCE_COLOURS))
+
+
+def tint(colour: str, alpha: float) -> str:
+    """A '#RRGGBB' colour as a translucent rgba() background."""
+    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r},{g},{b},{alpha:g})"
