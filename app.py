@@ -1,449 +1,318 @@
 """REST Lab: watch retrieval-based speculative decoding draft, verify and accept tokens.
 
 `python app.py` serves the page on 127.0.0.1:7860 (GRADIO_SERVER_NAME and
-GRADIO_SERVER_PORT override).  This module is the page only: decoding lives in
-rest_core, the page's helpers in rest_core/app_support.py, figures in
-rest_core/figures.py.  Tests build the page with a small model and store:
-`build_demo(lm_factory=..., store_factory=...)`.
+GRADIO_SERVER_PORT override).  This module is the page only: one builder per
+tab and the wiring of the page's events to their handlers (rest_core/app/page.py).  Decoding
+lives in rest_core, what the page does with it in rest_core.app, the figures in
+rest_core.traces.figures.  Tests build the page with a small model and store:
+`build_demo(lm_factory=..., store_factory=...)`.  Importing this module touches no
+file: the trace store opens on first use, old session folders are pruned on launch.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import fields
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Optional
 
 import gradio as gr
 
-from rest_core.app import support as sup
+from rest_core import app as lab
+from rest_core.app.page import (
+    Page,
+    bound,
+    on_build,
+    on_chat,
+    on_clear,
+    on_explore,
+    on_load,
+    on_race,
+    on_table,
+    open_run_steps,
+    pick_history,
+    refresh_runs,
+    show_step,
+    step_back,
+    step_forward,
+    tick_play,
+    tick_status,
+    to_steps_tab,
+    toggle_play,
+)
 from rest_core.model import DEFAULT_MODEL
-from rest_core.traces.recorder import TraceRecorder
-
-try:  # on Hugging Face Spaces with ZeroGPU the decode handlers borrow a GPU
-    import spaces
-
-    on_gpu = spaces.GPU(duration=120)
-except ImportError:
-    def on_gpu(fn):
-        return fn
+from rest_core.phases import PHASE_NOTES, PHASES
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 CSS = (ASSETS / "app.css").read_text(encoding="utf-8")
 LAUNCH_OPTIONS = dict(css=CSS, theme=gr.themes.Soft(primary_hue="blue"), max_file_size="20mb")
+UPLOAD_TYPES = ["text", ".py", ".md", ".json", ".js", ".ts", ".c", ".h", ".cpp", ".java", ".rs", ".go", ".rb", ".sh",
+                ".toml", ".yaml", ".yml", ".csv", ".html", ".css", ".ipynb", ".tex", ".rst"]
+EXAMPLES = [["Write a Python function that checks whether a string is a palindrome.", "chat"],
+            ["What is speculative decoding? Answer in two sentences.", "chat"],
+            ["import argparse\n\n\ndef main():\n    parser = argparse.ArgumentParser(", "completion"],
+            ["class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+             "completion"]]
 
-INTRO = """# REST Lab
-**Retrieval-based speculative decoding you can watch.** Each step looks the newest tokens up in the
-datastores, merges what followed them into a *draft tree*, checks every branch with **one** forward
-pass of the model (tree attention), and keeps the longest path the model agrees with, plus one token
-of its own. Greedy answers are exactly the model's; they just arrive in fewer passes."""
-
-HOW_IT_WORKS = """
-### One REST step
-1. **Retrieve.** The last *n* tokens of the context (the *suffix*, from `n_max` down to `n_min`) are looked
-   up in each store: the built-in datastore (Python sources), your uploaded files, the **request store**
-   (the prompt and the answer so far) and the **history store** (your earlier answers). Each store returns
-   the *continuations*: the tokens that followed the suffix there.
-2. **Draft tree.** Continuations are merged into a prefix tree; the most frequent prefixes are kept, up to
-   the **draft budget** (automatic: chosen per step by a cost model measured on this machine).
-3. **Verify.** The tree is flattened and sent through the model in one forward pass. The **tree mask**
-   lets each token see the prefix, itself and its ancestors only, so every branch is scored as if alone.
-4. **Accept.** Walking from the root, a drafted token is kept while it is what the model itself would
-   produce. Where they part, the model's own token (the *bonus token*) is added. One pass, one or more tokens.
-
-### Reading the page
-* **Chat**: tokens are tinted by origin: blue, orange, green = accepted drafts from the built-in, request
-  and history stores; pink = the model's own token. A grey bar marks the start of each step.
-* **Race**: the same prompt decoded plainly and with REST, one after the other, each timed alone.
-* **Step through**: any recorded run, one step at a time; **Run history** lists your runs.
-* **Datastore explorer**: what retrieval would draft for a context, without running the model.
-
-Every run is recorded step by step in a SQLite trace store; all figures are drawn from those records.
-"""
+INTRO = (ASSETS / "intro.md").read_text(encoding="utf-8")
+READING_THE_PAGE = (ASSETS / "reading-the-page.md").read_text(encoding="utf-8")
 
 
-def _settings(values) -> sup.Settings:
-    return sup.Settings(*values)
+def how_it_works() -> str:
+    """The "How it works" tab: the phases of one step, in rest_core.phases' words."""
+    steps = "\n".join(f"{i}. **{phase.capitalize()}**: {PHASE_NOTES[phase]}." for i, phase in enumerate(PHASES, 1))
+    return f"### One REST step\n{steps}\n\n{READING_THE_PAGE}"
 
 
-def _notice(text):
-    if text is None:
-        return gr.skip()
-    return gr.Markdown(value=f"⚠ {text}" if text else "", visible=bool(text))
+def phase_heading(*phases: str) -> str:
+    """A step-through panel's heading: its phases' numbers and names, and what each does."""
+    notes = " ".join(f"{phase.capitalize()}: {PHASE_NOTES[phase]}." for phase in phases)
+    return f"##### {' → '.join(lab.phase_title(p) for p in phases)}\n{notes}"
 
 
-def _fig(fig):
-    return gr.skip() if fig is None else fig
+# ---------------------------------------------------------------- builders, one per part of the page
+
+def build_sidebar(page: Page, defaults: lab.Settings) -> None:
+    """The settings, one control per field of Settings (page.settings), and the upload box."""
+    with gr.Sidebar(open=True, width=340):
+        gr.Markdown("### Settings")
+        s = page.settings
+        s["model"] = gr.Dropdown(sorted({DEFAULT_MODEL, defaults.model}), value=defaults.model, label="Model",
+                                 allow_custom_value=True, info="The offline default, or a Hugging Face id / local "
+                                                               "folder where the hub is reachable.")
+        s["mode"] = gr.Radio(["chat", "completion"], value=defaults.mode, label="Prompt format",
+                             info="chat: the model's chat template, multi-turn. completion: the text or code is "
+                                  "continued as it is.")
+        s["static"] = gr.Radio([lab.BUILT_IN, lab.UPLOADED, lab.NO_STATIC], value=defaults.static, label="Datastore",
+                               info="The static store drafts are retrieved from.")
+        s["request_store"] = gr.Checkbox(defaults.request_store,
+                                         label="Request store: the prompt and the answer so far")
+        s["history_store"] = gr.Checkbox(defaults.history_store, label="History store: your earlier answers")
+        with gr.Accordion("Your files → your datastore", open=False):
+            page.uploads = gr.File(file_count="multiple", label="Text or code files (20 MB in all)",
+                                   elem_id="uploads", file_types=UPLOAD_TYPES)
+            page.build_btn = gr.Button("Build my datastore", size="sm", elem_id="build-btn")
+            page.upload_status = gr.Markdown("Only you can draft from the files you upload; they are deleted "
+                                             "when you leave.", elem_id="upload-status")
+        s["max_new_tokens"] = gr.Slider(1, 512, value=defaults.max_new_tokens, step=1, label="Max new tokens")
+        s["decoding"] = gr.Radio(["greedy", "sampling"], value=defaults.decoding, label="Decoding",
+                                 info="greedy: REST output = plain output, token for token. sampling: exact "
+                                      "speculative sampling, same distribution as plain sampling.")
+        with gr.Group():
+            s["temperature"] = gr.Slider(0.05, 2.0, value=defaults.temperature, step=0.05, label="Temperature")
+            s["top_p"] = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p")
+            s["seed"] = gr.Number(defaults.seed, precision=0, label="Seed (empty: random)")
+        s["budget_mode"] = gr.Radio(["auto", "fixed"], value=defaults.budget_mode, label="Draft budget",
+                                    info="auto: the number of draft tokens per step is chosen from this machine's "
+                                         "measured forward-pass cost. fixed: always the budget below.")
+        s["budget"] = gr.Slider(0, 64, value=defaults.budget, step=1, label="Fixed budget (draft tokens per step)")
+        s["n_max"] = gr.Slider(1, 32, value=defaults.n_max, step=1, label="Longest suffix looked up (n_max)",
+                               info="The last n_max tokens are searched first, then shorter suffixes.")
+        s["n_min"] = gr.Slider(1, 8, value=defaults.n_min, step=1, label="Shortest suffix that counts (n_min)")
+        s["continuation_len"] = gr.Slider(1, 32, value=defaults.continuation_len, step=1,
+                                          label="Continuation length (deepest draft)")
+    page.settings = {name: s[name] for name in lab.SETTING_NAMES}  # Settings' order, every field
 
 
-def build_demo(lm_factory=None, store_factory=None, cost_factory=None, trace_db=None,
-               preload: bool = True, defaults: sup.Settings | None = None) -> gr.Blocks:
+def build_chat_tab(page: Page) -> None:
+    with gr.Tab("Chat", id="chat"), gr.Row(equal_height=False):
+        with gr.Column(scale=4, min_width=380):
+            gr.HTML(lab.origin_legend_html())
+            page.chatbot = gr.Chatbot(height=600, label="REST's answer, tinted by origin", show_label=False,
+                                      elem_id="chatbot", buttons=["copy"], feedback_options=None,
+                                      placeholder="Ask something, or switch to completion and paste code.")
+            page.message = gr.Textbox(placeholder="Ask a question, or paste code to continue… (Enter sends)",
+                                      lines=1, max_lines=12, show_label=False, elem_id="prompt", submit_btn=True,
+                                      stop_btn=True)
+            with gr.Row():
+                page.clear = gr.Button("Clear chat", size="sm", variant="secondary")
+            gr.Examples(EXAMPLES, inputs=[page.message, page.settings["mode"]], label="Examples")
+        with gr.Column(scale=7, min_width=480):
+            page.metrics = gr.HTML(lab.metrics_html([], 0.0, state="idle"), elem_id="metrics")
+            page.tree_plot = gr.Plot(label="Draft tree of the latest step (accepted path in red)",
+                                     elem_id="tree-plot")
+            page.mask_plot = gr.Plot(label="Tree attention mask of the latest step", elem_id="mask-plot")
+            page.speed_plot = gr.Plot(label="Speed", elem_id="speed-plot")
+
+
+def build_race_tab(page: Page) -> None:
+    with gr.Tab("Race", id="race"):
+        gr.Markdown("The same prompt, decoded **plainly** (one forward pass per token) and **with REST**, with the "
+                    "settings on the left. On one machine they run **one after the other**, each timed alone; the "
+                    "check compares the two outputs token by token.")
+        page.race_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="race-prompt",
+                                      value="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+        with gr.Row():
+            page.race_btn = gr.Button("Race", variant="primary", elem_id="race-btn")
+            page.race_stop = gr.Button("Stop", variant="stop")
+        with gr.Row(equal_height=True):
+            with gr.Column():
+                gr.Markdown("#### Plain decoding")
+                page.race_plain = gr.Textbox(lines=12, max_lines=24, show_label=False, elem_id="race-plain")
+            with gr.Column():
+                gr.Markdown("#### REST (tinted by origin)")
+                page.race_rest = gr.HTML(elem_id="race-rest", elem_classes="race-rest")
+        page.race_verdict = gr.HTML(elem_id="race-verdict")
+        page.race_speed = gr.Plot(label="Speed", elem_id="race-speed")
+
+
+def build_steps_tab(page: Page) -> None:
+    """Step through a recorded run: one panel per phase of the step, in the phases' order."""
+    with gr.Tab("Step through", id="steps"):
+        with gr.Row():
+            page.run_pick = gr.Dropdown([], label="Run", scale=4, elem_id="run-pick", allow_custom_value=False)
+            page.refresh_runs = gr.Button("↻ Refresh", scale=0, size="sm")
+        page.step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="step-slider")
+        with gr.Row():
+            page.back = gr.Button("◀ Back", elem_id="step-back")
+            page.play = gr.Button("▶ Play", elem_id="step-play")
+            page.forward = gr.Button("Forward ▶", elem_id="step-forward")
+        page.explanation = gr.Markdown(elem_id="step-explanation", elem_classes="explanation")
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                gr.Markdown(phase_heading("retrieve"), elem_classes="phase-head")
+                page.suffix = gr.HTML(elem_id="step-suffix")
+                page.branches = gr.Dataframe(headers=lab.BRANCH_HEADERS, interactive=False, max_height=300, wrap=True,
+                                             column_widths=["18%", "66%", "16%"])
+            with gr.Column():
+                gr.Markdown(phase_heading("tree"), elem_classes="phase-head")
+                page.step_tree = gr.Plot(show_label=False, elem_id="step-tree")
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                gr.Markdown(phase_heading("forward"), elem_classes="phase-head")
+                page.step_mask = gr.Plot(show_label=False, elem_id="step-mask")
+            with gr.Column():
+                gr.Markdown(phase_heading("verify", "commit"), elem_classes="phase-head")
+                page.path = gr.HTML(elem_id="step-path")
+                page.choices = gr.Dataframe(headers=lab.CHOICE_HEADERS, interactive=False, max_height=300, wrap=True,
+                                            column_widths=["9%", "9%", "20%", "14%", "11%", "24%", "13%"])
+        page.play_timer = gr.Timer(1.5, active=False)
+        page.playing = gr.State(False)
+
+
+def build_history_tab(page: Page) -> None:
+    with gr.Tab("Run history", id="history") as page.history_tab:
+        gr.Markdown("Your runs (and runs recorded from the command line), replayed from the trace store without "
+                    "the model. Click a row to open it.")
+        page.refresh_table = gr.Button("↻ Refresh", size="sm")
+        page.runs_table = gr.Dataframe(headers=lab.RUN_TABLE_HEADERS, interactive=False, max_height=320,
+                                       elem_id="runs-table")
+        with gr.Row():
+            page.open_steps = gr.Button("Step through this run", size="sm")
+        page.history_text = gr.HTML(elem_id="history-text")
+        page.history_speed = gr.Plot(label="Speed", elem_id="history-speed")
+        with gr.Row():
+            page.history_accept = gr.Plot(label="Accepted draft tokens per step")
+            page.history_phases = gr.Plot(label="Where the time goes")
+
+
+def build_explorer_tab(page: Page) -> None:
+    with gr.Tab("Datastore explorer", id="explorer"):
+        gr.Markdown("Type a context: see the longest suffix each store holds, what followed it there, and the "
+                    "draft tree REST would build from it (no model run; the stores and suffix lengths come from "
+                    "the settings on the left).")
+        with gr.Row():
+            page.explore_text = gr.Textbox("    for i in range(len(", label="Context", lines=3, scale=4,
+                                           elem_id="explore-text")
+            with gr.Column(scale=1):
+                page.explore_budget = gr.Slider(1, 64, value=24, step=1, label="Draft budget")
+                page.explore_btn = gr.Button("Look up", variant="primary", elem_id="explore-btn")
+        page.explore_summary = gr.Markdown(elem_id="explore-summary")
+        page.explore_suffix = gr.HTML()
+        with gr.Row(equal_height=False):
+            page.explore_rows = gr.Dataframe(headers=lab.BRANCH_HEADERS, interactive=False, max_height=520, wrap=True,
+                                             scale=2, column_widths=["18%", "66%", "16%"])
+            page.explore_tree = gr.Plot(label="Draft tree", elem_id="explore-tree", scale=3)
+
+
+# ---------------------------------------------------------------- handlers (page first, bound by `bound`)
+
+# ---------------------------------------------------------------- wiring
+
+def wire_page(page: Page) -> None:
+    """Page load, the status line, the upload box and the Chat tab."""
+    page.demo.load(bound(on_load, page), [page.session], [page.session, page.run_pick, page.status])
+    page.status_timer.tick(bound(tick_status, page), None, [page.status, page.status_timer], show_progress="hidden",
+                           concurrency_limit=None, api_visibility="private")
+    page.build_btn.click(bound(on_build, page), [page.uploads, page.session, page.settings["model"]],
+                         [page.upload_status, page.settings["static"], page.session, page.notice],
+                         api_name="build_datastore", concurrency_id="build", concurrency_limit=1)
+    chat_event = page.message.submit(
+        bound(on_chat, page), [page.message, page.session, *page.settings.values()],
+        [page.chatbot, page.tree_plot, page.mask_plot, page.speed_plot, page.metrics, page.notice, page.message,
+         page.session, page.run_pick, page.status],
+        api_name="chat", concurrency_id="model", concurrency_limit=1, show_progress="minimal")
+    page.message.stop(None, None, None, cancels=[chat_event])
+    page.clear.click(bound(on_clear, page), [page.session], [page.chatbot, page.session, page.notice],
+                     api_name="clear")
+    race_event = page.race_btn.click(
+        bound(on_race, page), [page.race_prompt, page.session, *page.settings.values()],
+        [page.race_plain, page.race_rest, page.race_verdict, page.race_speed, page.notice, page.session,
+         page.run_pick], api_name="race", concurrency_id="model", concurrency_limit=1, show_progress="minimal")
+    page.race_stop.click(None, None, None, cancels=[race_event])
+
+
+def wire_replay(page: Page) -> None:
+    """Step through, Run history and the Datastore explorer."""
+    step_in = [page.run_pick, page.step_slider, page.session]
+    step_out = [page.explanation, page.suffix, page.branches, page.choices, page.path, page.step_tree,
+                page.step_mask, page.session]
+    private = dict(api_visibility="private")
+    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.session],
+                         [page.step_slider, page.play_timer, page.playing, page.play], **private).then(
+        bound(show_step, page), step_in, step_out, **private)
+    page.step_slider.change(bound(show_step, page), step_in, step_out, api_name="step", trigger_mode="always_last",
+                            concurrency_limit=4, show_progress="hidden")
+    page.back.click(bound(step_back, page), step_in, [page.step_slider], **private)
+    page.forward.click(bound(step_forward, page), step_in, [page.step_slider], **private)
+    page.play.click(bound(toggle_play, page), [page.playing], [page.playing, page.play_timer, page.play], **private)
+    page.play_timer.tick(bound(tick_play, page), step_in, [page.step_slider, page.playing, page.play_timer,
+                                                           page.play], show_progress="hidden", **private)
+    page.refresh_runs.click(bound(refresh_runs, page), [page.session], [page.run_pick], **private)
+    page.refresh_table.click(bound(on_table, page), [page.session], [page.runs_table, page.session], api_name="runs")
+    page.history_tab.select(bound(on_table, page), [page.session], [page.runs_table, page.session], **private)
+    page.runs_table.select(bound(pick_history, page), [page.session],
+                           [page.history_text, page.history_speed, page.history_accept, page.history_phases,
+                            page.run_pick, page.session], **private)
+    page.open_steps.click(bound(to_steps_tab, page), None, [page.tabs], **private)
+    explore_in = [page.explore_text, page.explore_budget, page.session, *page.settings.values()]
+    explore_out = [page.explore_summary, page.explore_suffix, page.explore_rows, page.explore_tree, page.session]
+    page.explore_btn.click(bound(on_explore, page), explore_in, explore_out, api_name="explore", concurrency_limit=2)
+    page.explore_text.submit(bound(on_explore, page), explore_in, explore_out, concurrency_limit=2, **private)
+
+
+def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Callable] = None,
+               cost_factory: Optional[Callable] = None, trace_db: Optional[str] = None, preload: bool = True,
+               defaults: Optional[lab.Settings] = None) -> gr.Blocks:
     """The page. Factories replace the default model, built-in store and cost model (tests);
     `defaults` sets the controls' initial values; `preload` loads the default model and store
-    in the background when the first page opens."""
-    engine = sup.Engine(lm_factory=lm_factory, store_factory=store_factory, cost_factory=cost_factory,
-                        recorder=TraceRecorder(trace_db) if trace_db else None)
-    rec = engine.recorder
-    defaults = defaults or sup.Settings()
-    sup.prune_sessions()
-
+    in the background when the first page opens. Nothing is read or written until it is used."""
+    page = Page(lab.Engine(lm_factory=lm_factory, store_factory=store_factory, cost_factory=cost_factory,
+                       trace_db=trace_db), preload)
     with gr.Blocks(title="REST Lab", fill_width=True) as demo:
-        demo.engine = engine
-        session = gr.State(None, delete_callback=sup.discard_session)
-
-        # ------------------------------------------------------------ settings
-        with gr.Sidebar(open=True, width=340):
-            gr.Markdown("### Settings")
-            model = gr.Dropdown(sorted({DEFAULT_MODEL, defaults.model}), value=defaults.model, allow_custom_value=True,
-                                label="Model",
-                                info="The offline default, or a Hugging Face id / local folder where the hub "
-                                     "is reachable.")
-            mode = gr.Radio(["chat", "completion"], value=defaults.mode, label="Prompt format",
-                            info="chat: the model's chat template, multi-turn. completion: the text or code "
-                                 "is continued as it is.")
-            static = gr.Radio([sup.BUILT_IN, sup.UPLOADED, sup.NO_STATIC], value=defaults.static,
-                              label="Datastore", info="The static store drafts are retrieved from.")
-            request_store = gr.Checkbox(defaults.request_store, label="Request store: the prompt and the answer so far")
-            history_store = gr.Checkbox(defaults.history_store, label="History store: your earlier answers")
-            with gr.Accordion("Your files → your datastore", open=False):
-                uploads = gr.File(file_count="multiple", label="Text or code files (20 MB in all)", elem_id="uploads",
-                                  file_types=["text", ".py", ".md", ".json", ".js", ".ts", ".c", ".h", ".cpp",
-                                              ".java", ".rs", ".go", ".rb", ".sh", ".toml", ".yaml", ".yml",
-                                              ".csv", ".html", ".css", ".ipynb", ".tex", ".rst"])
-                build_btn = gr.Button("Build my datastore", size="sm", elem_id="build-btn")
-                upload_status = gr.Markdown("Only you can draft from the files you upload; they are deleted "
-                                            "when you leave.", elem_id="upload-status")
-            max_new_tokens = gr.Slider(1, 512, value=defaults.max_new_tokens, step=1, label="Max new tokens")
-            decoding = gr.Radio(["greedy", "sampling"], value=defaults.decoding, label="Decoding",
-                                info="greedy: REST output = plain output, token for token. sampling: exact "
-                                     "speculative sampling, same distribution as plain sampling.")
-            with gr.Group():
-                temperature = gr.Slider(0.05, 2.0, value=defaults.temperature, step=0.05, label="Temperature")
-                top_p = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p")
-                seed = gr.Number(defaults.seed, precision=0, label="Seed (empty: random)")
-            budget_mode = gr.Radio(["auto", "fixed"], value=defaults.budget_mode, label="Draft budget",
-                                   info="auto: the number of draft tokens per step is chosen from this "
-                                        "machine's measured forward-pass cost. fixed: always the budget below.")
-            budget = gr.Slider(0, 64, value=defaults.budget, step=1, label="Fixed budget (draft tokens per step)")
-            n_max = gr.Slider(1, 32, value=defaults.n_max, step=1, label="Longest suffix looked up (n_max)",
-                              info="The last n_max tokens are searched first, then shorter suffixes.")
-            n_min = gr.Slider(1, 8, value=defaults.n_min, step=1, label="Shortest suffix that counts (n_min)")
-            continuation_len = gr.Slider(1, 32, value=defaults.continuation_len, step=1,
-                                         label="Continuation length (deepest draft)")
-        settings = [model, mode, static, request_store, history_store, max_new_tokens, decoding, temperature,
-                    top_p, seed, budget_mode, budget, n_max, n_min, continuation_len]
-        assert [f.name for f in fields(sup.Settings)] == [
-            "model", "mode", "static", "request_store", "history_store", "max_new_tokens", "decoding",
-            "temperature", "top_p", "seed", "budget_mode", "budget", "n_max", "n_min", "continuation_len"]
-
+        demo.engine, page.demo = page.engine, demo
+        page.session = gr.State(None, delete_callback=lab.discard_session)
+        build_sidebar(page, defaults or lab.Settings())
         gr.Markdown(INTRO, elem_classes="intro")
-        status = gr.Markdown(engine.status(), elem_classes="status")
-        notice = gr.Markdown("", visible=False, elem_classes="notice", elem_id="notice")
-        status_timer = gr.Timer(2.0)
-
-        with gr.Tabs() as tabs:
-            # -------------------------------------------------------- chat
-            with gr.Tab("Chat", id="chat"):
-                with gr.Row(equal_height=False):
-                    with gr.Column(scale=4, min_width=380):
-                        gr.HTML(f'<div class="origin-legend">{sup.LEGEND_HTML}</div>')
-                        chatbot = gr.Chatbot(height=600, label="REST's answer, tinted by origin", show_label=False,
-                                             elem_id="chatbot", buttons=["copy"], feedback_options=None,
-                                             placeholder="Ask something, or switch to completion and paste code.")
-                        message = gr.Textbox(placeholder="Ask a question, or paste code to continue… (Enter sends)",
-                                             lines=1,
-                                             max_lines=12, show_label=False, elem_id="prompt", submit_btn=True,
-                                             stop_btn=True)
-                        with gr.Row():
-                            clear = gr.Button("Clear chat", size="sm", variant="secondary")
-                        gr.Examples(
-                            [["Write a Python function that checks whether a string is a palindrome.", "chat"],
-                             ["What is speculative decoding? Answer in two sentences.", "chat"],
-                             ["import argparse\n\n\ndef main():\n    parser = argparse.ArgumentParser(",
-                              "completion"],
-                             ["class Stack:\n    def __init__(self):\n        self.items = []\n\n"
-                              "    def push(self, item):\n", "completion"]],
-                            inputs=[message, mode], label="Examples")
-                    with gr.Column(scale=7, min_width=480):
-                        metrics = gr.HTML(sup.metrics_html([], 0.0, state="idle"), elem_id="metrics")
-                        tree_plot = gr.Plot(label="Draft tree of the latest step (accepted path in red)",
-                                            elem_id="tree-plot")
-                        mask_plot = gr.Plot(label="Tree attention mask of the latest step", elem_id="mask-plot")
-                        speed_plot = gr.Plot(label="Speed", elem_id="speed-plot")
-
-            # -------------------------------------------------------- race
-            with gr.Tab("Race", id="race"):
-                gr.Markdown("The same prompt, decoded **plainly** (one forward pass per token) and **with REST**, "
-                            "with the settings on the left. On one machine they run **one after the other**, each "
-                            "timed alone; the check compares the two outputs token by token.")
-                race_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="race-prompt",
-                                         value="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
-                with gr.Row():
-                    race_btn = gr.Button("Race", variant="primary", elem_id="race-btn")
-                    race_stop = gr.Button("Stop", variant="stop")
-                with gr.Row(equal_height=True):
-                    with gr.Column():
-                        gr.Markdown("#### Plain decoding")
-                        race_plain = gr.Textbox(lines=12, max_lines=24, show_label=False, elem_id="race-plain")
-                    with gr.Column():
-                        gr.Markdown("#### REST (tinted by origin)")
-                        race_rest = gr.HTML(elem_id="race-rest", elem_classes="race-rest")
-                race_verdict = gr.HTML(elem_id="race-verdict")
-                race_speed = gr.Plot(label="Speed", elem_id="race-speed")
-
-            # -------------------------------------------------------- step through
-            with gr.Tab("Step through", id="steps"):
-                with gr.Row():
-                    run_pick = gr.Dropdown([], label="Run", scale=4, elem_id="run-pick", allow_custom_value=False)
-                    refresh_runs = gr.Button("↻ Refresh", scale=0, size="sm")
-                step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="step-slider")
-                with gr.Row():
-                    back = gr.Button("◀ Back", elem_id="step-back")
-                    play = gr.Button("▶ Play", elem_id="step-play")
-                    forward = gr.Button("Forward ▶", elem_id="step-forward")
-                explanation = gr.Markdown(elem_id="step-explanation", elem_classes="explanation")
-                with gr.Row(equal_height=False):
-                    with gr.Column():
-                        gr.Markdown("##### 1. Suffix → 2. retrieved continuations")
-                        suffix = gr.HTML(elem_id="step-suffix")
-                        branches = gr.Dataframe(headers=sup.BRANCH_HEADERS, interactive=False, max_height=300,
-                                                wrap=True, column_widths=["18%", "66%", "16%"])
-                    with gr.Column():
-                        gr.Markdown("##### 5. The model's choices → 6. accepted path")
-                        path = gr.HTML(elem_id="step-path")
-                        choices = gr.Dataframe(headers=sup.CHOICE_HEADERS, interactive=False, max_height=300,
-                                               wrap=True, column_widths=["9%", "9%", "20%", "14%", "11%", "24%",
-                                                                         "13%"])
-                with gr.Row(equal_height=False):
-                    step_tree = gr.Plot(label="3. Draft tree", elem_id="step-tree")
-                    step_mask = gr.Plot(label="4. Tree attention mask", elem_id="step-mask")
-                play_timer = gr.Timer(1.5, active=False)
-                playing = gr.State(False)
-
-            # -------------------------------------------------------- run history
-            with gr.Tab("Run history", id="history") as history_tab:
-                gr.Markdown("Your runs (and runs recorded from the command line), replayed from the trace store "
-                            "without the model. Click a row to open it.")
-                refresh_table = gr.Button("↻ Refresh", size="sm")
-                runs_table = gr.Dataframe(headers=sup.RUN_TABLE_HEADERS, interactive=False, max_height=320,
-                                          elem_id="runs-table")
-                with gr.Row():
-                    open_steps = gr.Button("Step through this run", size="sm")
-                history_text = gr.HTML(elem_id="history-text")
-                history_speed = gr.Plot(label="Speed", elem_id="history-speed")
-                with gr.Row():
-                    history_accept = gr.Plot(label="Accepted draft tokens per step")
-                    history_phases = gr.Plot(label="Where the time goes")
-
-            # -------------------------------------------------------- explorer
-            with gr.Tab("Datastore explorer", id="explorer"):
-                gr.Markdown("Type a context: see the longest suffix each store holds, what followed it there, "
-                            "and the draft tree REST would build from it (no model run; the stores and suffix "
-                            "lengths come from the settings on the left).")
-                with gr.Row():
-                    explore_text = gr.Textbox("    for i in range(len(", label="Context", lines=3, scale=4,
-                                              elem_id="explore-text")
-                    with gr.Column(scale=1):
-                        explore_budget = gr.Slider(1, 64, value=24, step=1, label="Draft budget")
-                        explore_btn = gr.Button("Look up", variant="primary", elem_id="explore-btn")
-                explore_summary = gr.Markdown(elem_id="explore-summary")
-                explore_suffix = gr.HTML()
-                with gr.Row(equal_height=False):
-                    explore_rows = gr.Dataframe(headers=sup.BRANCH_HEADERS, interactive=False, max_height=520,
-                                                wrap=True, scale=2, column_widths=["18%", "66%", "16%"])
-                    explore_tree = gr.Plot(label="Draft tree", elem_id="explore-tree", scale=3)
-
+        page.status = gr.Markdown(page.engine.status(), elem_classes="status")
+        page.notice = gr.Markdown("", visible=False, elem_classes="notice", elem_id="notice")
+        page.status_timer = gr.Timer(2.0)
+        with gr.Tabs() as page.tabs:
+            build_chat_tab(page)
+            build_race_tab(page)
+            build_steps_tab(page)
+            build_history_tab(page)
+            build_explorer_tab(page)
             with gr.Tab("How it works", id="about"):
-                gr.Markdown(HOW_IT_WORKS)
-
-        # ------------------------------------------------------------ handlers
-        def runs_update(sess, value=None):
-            return gr.Dropdown(choices=sup.run_choices(rec, sess), value=value)
-
-        def on_load(state, request: gr.Request):
-            sess = sup.Session.ensure(state, request)
-            if preload:
-                engine.preload()
-            return sess, runs_update(sess), engine.status()
-
-        def tick_status():
-            return engine.status(), gr.Timer(active=not engine.ready())
-
-        @on_gpu
-        def on_chat(text, state, request: gr.Request, *values):
-            sess = sup.Session.ensure(state, request)
-            first = True
-            for view in sup.chat_turn(engine, sess, _settings(values), text):
-                if view.warning:
-                    gr.Warning(view.warning)
-                yield (gr.skip() if view.chat is None else view.chat, _fig(view.tree), _fig(view.mask),
-                       _fig(view.speed), gr.skip() if view.metrics is None else view.metrics, _notice(view.notice),
-                       "" if first else gr.skip(), sess,
-                       runs_update(sess, view.run_id) if view.run_id else gr.skip(),
-                       engine.status() if (first or view.done) else gr.skip())
-                first = False
-
-        def on_clear(state, request: gr.Request):
-            sess = sup.Session.ensure(state, request)
-            sess.clear_chat()
-            return [], sess, _notice("")
-
-        @on_gpu
-        def on_race(text, state, request: gr.Request, *values):
-            sess = sup.Session.ensure(state, request)
-            for view in sup.race(engine, sess, _settings(values), text):
-                if view.warning:
-                    gr.Warning(view.warning)
-                yield (gr.skip() if view.plain is None else view.plain,
-                       gr.skip() if view.rest is None else view.rest,
-                       gr.skip() if view.metrics is None else view.metrics, _fig(view.speed), _notice(view.notice),
-                       sess, runs_update(sess, view.run_id) if view.run_id else gr.skip())
-
-        def on_build(files, state, model_name, request: gr.Request, progress=gr.Progress(track_tqdm=True)):
-            sess = sup.Session.ensure(state, request)
-            try:
-                progress(0.0, desc="Checking the files")
-                docs = sup.save_uploads(sess, [getattr(f, "name", f) for f in (files or [])],
-                                        upload_root=Path(demo.GRADIO_CACHE))
-                progress(0.05, desc="Loading the model's tokenizer")
-                slot = engine.model(model_name)
-                store = sup.build_upload_store(sess, docs, slot)
-            except Exception as err:  # noqa: BLE001 - a clear message, never a stack trace
-                text = sup.message_of(err)
-                gr.Warning(text)
-                return f"⚠ {text}", gr.skip(), sess, _notice(text)
-            return sup.upload_summary(sess, store), sup.UPLOADED, sess, _notice("")
-
-        def show_step(run_id, index, state, request: gr.Request):
-            sess = sup.Session.ensure(state, request)
-            empty = ("", "", [], [], "", None, None)
-            if run_id in (None, ""):
-                return (*empty, sess)
-            try:
-                run, steps = sup.open_run(rec, sess, run_id)
-                if not steps:
-                    return ("This run recorded no step.", "", [], [], "", None, None, sess)
-                v = sup.step_view(rec, run, max(0, min(int(index or 0), len(steps) - 1)),
-                                  engine.tokenizer_for(run.get("model")))
-            except (KeyError, ValueError) as err:
-                return (f"⚠ {str(err).strip(chr(39))}", "", [], [], "", None, None, sess)
-            return (v["explanation"], v["suffix"], v["branches"], v["choices"], v["path"], v["tree"], v["mask"],
-                    sess)
-
-        def open_run(run_id, state, request: gr.Request):
-            sess = sup.Session.ensure(state, request)
-            try:
-                _, steps = sup.open_run(rec, sess, run_id)
-            except (KeyError, ValueError):
-                steps = []
-            top = max(0, len(steps) - 1)
-            return (gr.Slider(minimum=0, maximum=max(1, top), value=0, step=1, label=f"Step (0–{top})",
-                              interactive=len(steps) > 1), gr.Timer(active=False), False, gr.Button("▶ Play"))
-
-        def move(delta):
-            def go(run_id, index, state, request: gr.Request):
-                sess = sup.Session.ensure(state, request)
-                try:
-                    _, steps = sup.open_run(rec, sess, run_id)
-                except (KeyError, ValueError):
-                    return gr.skip()
-                return max(0, min(int(index or 0) + delta, len(steps) - 1))
-            return go
-
-        def toggle_play(is_playing):
-            now = not is_playing
-            return now, gr.Timer(active=now), gr.Button("⏸ Pause" if now else "▶ Play")
-
-        def tick_play(run_id, index, state, request: gr.Request):
-            sess = sup.Session.ensure(state, request)
-            try:
-                _, steps = sup.open_run(rec, sess, run_id)
-            except (KeyError, ValueError):
-                return gr.skip(), False, gr.Timer(active=False), gr.Button("▶ Play")
-            nxt = int(index or 0) + 1
-            if nxt >= len(steps):
-                return gr.skip(), False, gr.Timer(active=False), gr.Button("▶ Play")
-            return nxt, True, gr.skip(), gr.skip()
-
-        def table(state, request: gr.Request):
-            sess = sup.Session.ensure(state, request)
-            return sup.run_table(rec, sess), sess
-
-        def pick_history(state, evt: gr.SelectData, request: gr.Request):
-            sess = sup.Session.ensure(state, request)
-            try:
-                run_id = int(evt.row_value[0])
-                run, steps = sup.open_run(rec, sess, run_id)
-            except (KeyError, ValueError, TypeError, IndexError) as err:
-                gr.Warning(str(err))
-                return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), sess
-            from rest_core.traces import figures
-
-            return (figures.origin_text_html(steps, prompt=run.get("prompt")),
-                    sup.fit(figures.speed_figure(steps, run), 460), sup.panel(figures.acceptance_histogram(steps), 420),
-                    sup.panel(figures.phase_breakdown(steps), 420), runs_update(sess, run_id), sess)
-
-        def on_explore(text, budget_value, state, request: gr.Request, *values):
-            sess = sup.Session.ensure(state, request)
-            try:
-                out = sup.explore(engine, sess, _settings(values), text, int(budget_value))
-            except Exception as err:  # noqa: BLE001
-                msg = sup.message_of(err)
-                gr.Warning(msg)
-                return f"⚠ {msg}", "", [], None, sess
-            return out["summary"], out["suffix"], out["continuations"], out["tree"], sess
-
-        # ------------------------------------------------------------ wiring
-        demo.load(on_load, [session], [session, run_pick, status])
-        status_timer.tick(tick_status, None, [status, status_timer], show_progress="hidden",
-                          concurrency_limit=None, api_visibility="private")
-
-        chat_outputs = [chatbot, tree_plot, mask_plot, speed_plot, metrics, notice, message, session, run_pick,
-                        status]
-        chat_event = message.submit(on_chat, [message, session, *settings], chat_outputs, api_name="chat",
-                                    concurrency_id="model", concurrency_limit=1, show_progress="minimal")
-        message.stop(None, None, None, cancels=[chat_event])
-        clear.click(on_clear, [session], [chatbot, session, notice], api_name="clear")
-
-        race_event = race_btn.click(on_race, [race_prompt, session, *settings],
-                                    [race_plain, race_rest, race_verdict, race_speed, notice, session, run_pick],
-                                    api_name="race", concurrency_id="model", concurrency_limit=1,
-                                    show_progress="minimal")
-        race_stop.click(None, None, None, cancels=[race_event])
-
-        build_btn.click(on_build, [uploads, session, model], [upload_status, static, session, notice],
-                        api_name="build_datastore", concurrency_id="build", concurrency_limit=1)
-
-        step_outputs = [explanation, suffix, branches, choices, path, step_tree, step_mask, session]
-        run_pick.change(open_run, [run_pick, session], [step_slider, play_timer, playing, play],
-                        api_visibility="private").then(
-            show_step, [run_pick, step_slider, session], step_outputs, api_visibility="private")
-        step_slider.change(show_step, [run_pick, step_slider, session], step_outputs, api_name="step",
-                           trigger_mode="always_last", concurrency_limit=4, show_progress="hidden")
-        back.click(move(-1), [run_pick, step_slider, session], [step_slider], api_visibility="private")
-        forward.click(move(+1), [run_pick, step_slider, session], [step_slider], api_visibility="private")
-        play.click(toggle_play, [playing], [playing, play_timer, play], api_visibility="private")
-        play_timer.tick(tick_play, [run_pick, step_slider, session], [step_slider, playing, play_timer, play],
-                        show_progress="hidden", api_visibility="private")
-        refresh_runs.click(lambda s, r=None: runs_update(sup.Session.ensure(s)), [session], [run_pick],
-                           api_visibility="private")
-
-        refresh_table.click(table, [session], [runs_table, session], api_name="runs")
-        history_tab.select(table, [session], [runs_table, session], api_visibility="private")
-        runs_table.select(pick_history, [session],
-                          [history_text, history_speed, history_accept, history_phases, run_pick, session],
-                          api_visibility="private")
-        open_steps.click(lambda: gr.Tabs(selected="steps"), None, [tabs], api_visibility="private")
-
-        explore_btn.click(on_explore, [explore_text, explore_budget, session, *settings],
-                          [explore_summary, explore_suffix, explore_rows, explore_tree, session], api_name="explore",
-                          concurrency_limit=2)
-        explore_text.submit(on_explore, [explore_text, explore_budget, session, *settings],
-                            [explore_summary, explore_suffix, explore_rows, explore_tree, session],
-                            api_visibility="private", concurrency_limit=2)
+                gr.Markdown(how_it_works())
+        wire_page(page)
+        wire_replay(page)
     return demo
 
 
-def launch(app: gr.Blocks, **options):
-    """Launch with the page's look and upload limit (tests pass prevent_thread_lock, a port...)."""
+def launch(app: gr.Blocks, **options: Any) -> Any:
+    """Launch with the page's look and upload limit (tests pass prevent_thread_lock, a port...);
+    session folders a previous server left behind are removed first."""
+    lab.prune_sessions()
     return app.launch(**{**LAUNCH_OPTIONS, **options})
 
 

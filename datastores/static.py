@@ -134,10 +134,11 @@ class TokenDatastore(StoreBase):
 
     @property
     def label(self) -> str:
-        return f"static:{self.path}"
+        return f"static:{self.name or self.path}"
 
     def __init__(self, path: Path, meta: dict):
         self.path = Path(path)
+        self.name: str | None = None  # shown instead of the path where given
         self.meta = meta
         self.n_tokens = int(meta["n_tokens"])
         self.n_docs = int(meta["n_docs"])
@@ -157,8 +158,9 @@ class TokenDatastore(StoreBase):
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path, tokenizer=None) -> TokenDatastore:
+    def open(cls, path, tokenizer=None, name: str | None = None) -> TokenDatastore:
         """Open a built store. With ``tokenizer``, refuse a store built by another one.
+        ``name`` labels it in runs and statistics instead of its path (``static:NAME``).
 
         Checks on open: meta.json complete, every file present with the recorded size
         (consistent with n_tokens) and the sampled-block hash. ``verify()`` hashes all.
@@ -186,7 +188,9 @@ class TokenDatastore(StoreBase):
                 raise DatastoreError(f"{fpath} does not match its checksum (corrupt); {rebuild_hint(path)}")
         if tokenizer is not None:
             check_tokenizer(meta, tokenizer, path)
-        return cls(path, meta)
+        store = cls(path, meta)
+        store.name = name
+        return store
 
     def _map(self, name: str) -> mmap.mmap:
         with open(self.path / name, "rb") as f:

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny randomly initialised model (fast, exact in fp32) and the default model."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,18 @@ from rest_core.model import LoadedModel, load_model
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+REAL_CACHE = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "rest-lab").expanduser()
+
+
+def private_cache(cache: Path) -> str:
+    """A cache folder for a page under test (trace store, session folders, cost statistics) instead of
+    the real one; the converted default model is shared with the real cache when it is there already."""
+    cache.mkdir(parents=True, exist_ok=True)
+    if (REAL_CACHE / "models").is_dir():
+        (cache / "models").symlink_to(REAL_CACHE / "models")
+    return str(cache)
 
 
 class TinyTokenizer:

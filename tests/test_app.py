@@ -6,16 +6,23 @@ with a small store built in a temporary folder (never the big default store).
 """
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import plotly.graph_objects as go
 import pytest
 
-from conftest import make_tiny_lm
-from rest_core.app import support as sup
+from rest_core import app as sup
+from rest_core.traces import figures
 from rest_core.traces.recorder import TraceRecorder
+
+from conftest import make_tiny_lm, private_cache
 
 PROMPT_IDS = [5, 6, 7, 8, 9]
 PROMPT = " ".join(f"t{t}" for t in PROMPT_IDS)
@@ -29,6 +36,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REST_LAB_CACHE", private_cache(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return make_tiny_lm(max_positions=256)
@@ -38,6 +52,7 @@ def tiny():
 def tiny_store(tiny, tmp_path_factory):
     """A static store holding the model's own greedy continuation of PROMPT among noise (so drafts hit)."""
     import numpy as np
+
     from datastores import build_from_token_documents
     from rest_core.decode import DecodeConfig, plain_generate
 
@@ -49,7 +64,7 @@ def tiny_store(tiny, tmp_path_factory):
 
 def tiny_engine(tiny, store, traces) -> sup.Engine:
     engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: store,
-                        cost_factory=lambda lm: None, recorder=TraceRecorder(traces))
+                        cost_factory=lambda lm, stores: None, recorder=TraceRecorder(traces))
     assert engine.start_static(engine.model(TINY.model)).finished.wait(30)
     return engine
 
@@ -61,7 +76,7 @@ def engine(tiny, tiny_store, tmp_path):
 
 @pytest.fixture
 def session(tmp_path, monkeypatch):
-    monkeypatch.setattr(sup, "sessions_root", lambda: tmp_path / "sessions")  # visitors' folders
+    monkeypatch.setenv("REST_LAB_CACHE", private_cache(tmp_path / "cache"))  # visitors' folders
     return sup.Session(id="visitor-a")
 
 
@@ -158,7 +173,7 @@ def test_status_tells_while_the_built_in_store_is_built(tiny, tmp_path, session)
         release.wait(30)
         return None
 
-    engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=slow_store, cost_factory=lambda lm: None,
+    engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=slow_store, cost_factory=lambda lm, stores: None,
                         recorder=TraceRecorder(tmp_path / "t.sqlite"))
     assert "loads on first use" in engine.status()
     views = run_turn(engine, session, replace(TINY, max_new_tokens=4), PROMPT)
@@ -198,9 +213,9 @@ def test_answer_html_stays_on_one_line():
     """The chat renders Markdown: a raw line break (then four spaces) would turn the HTML into a code block."""
     steps = [{"step": 0, "new_tokens": [1, 2, 3], "new_texts": ["def f():\n", "    return", " 1<2"], "accepted_len": 2,
               "accepted_sources": ["static", "request"]}]
-    out = sup.origin_spans(steps, hide=frozenset({"<|im_end|>"}))
+    out = figures.origin_spans(steps, hide=frozenset({"<|im_end|>"}))
     assert "\n" not in out and out.count("&#10;") == 1 and "1&lt;2" in out and out.count("<span") == 3
-    assert "\n" not in sup._user_bubble("a\n\n    b")["content"]
+    assert "\n" not in sup.user_bubble("a\n\n    b")["content"]
 
 
 def test_explanation_of_a_step_with_no_draft():
@@ -233,6 +248,80 @@ def test_history_store_drafts_from_the_visitors_own_answers(engine, session):
     steps = engine.recorder.load_steps(again.run_id)
     assert engine.recorder.get_run(first.run_id)["output"] == engine.recorder.get_run(again.run_id)["output"]
     assert any("history" in (s["accepted_sources"] or []) for s in steps)
+
+
+def test_the_live_page_reads_only_new_steps(engine, session, monkeypatch):
+    read = []  # the step numbers each read returned
+    load_steps = engine.recorder.load_steps
+
+    def counting(run_id, since_step=0):
+        rows = load_steps(run_id, since_step)
+        read.extend(r["step"] for r in rows)
+        return rows
+
+    monkeypatch.setattr(engine.recorder, "load_steps", counting)
+    final = run_turn(engine, session, TINY, PROMPT)[-1]
+    assert final.done
+    assert read == [s["step"] for s in load_steps(final.run_id)], "every step read once, in order"
+
+
+def test_stream_delivers_what_was_emitted_before_an_error():
+    inline = SimpleNamespace(workers=SimpleNamespace(submit=lambda fn: fn()))  # all is emitted before any read
+
+    def work(emit):
+        for k in range(3):
+            emit(k)
+        raise ValueError("broken")
+
+    seen = []
+    with pytest.raises(ValueError, match="broken"):
+        for batch in sup.stream_in_thread(inline, work):
+            seen += batch
+    assert seen == [0, 1, 2]
+
+
+def test_race_closes_its_streams(engine, session, monkeypatch):
+    from rest_core.app import live
+
+    class Spy:
+        def __init__(self, stream):
+            self.stream, self.closed = stream, False
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.stream)
+
+        def close(self):
+            self.closed = True
+            self.stream.close()
+
+    opened = []
+    real = live.stream_in_thread
+    monkeypatch.setattr(live, "stream_in_thread", lambda *a, **k: opened.append(Spy(real(*a, **k))) or opened[-1])
+    assert list(sup.race(engine, session, TINY, PROMPT))[-1].done
+    assert len(opened) == 2 and all(s.closed for s in opened), "both decodes' streams are closed when done"
+    opened.clear()
+    stopped = sup.race(engine, session, replace(TINY, max_new_tokens=200), PROMPT)
+    for _ in stopped:
+        if opened:
+            break
+    stopped.close()  # the visitor pressed Stop during the plain decode
+    assert len(opened) == 1 and opened[0].closed
+    slot = engine.model(TINY.model)
+    assert slot.lock.acquire(timeout=30), "the model is free again"
+    slot.lock.release()
+
+
+def test_importing_the_app_touches_no_cache(tmp_path):
+    cache = tmp_path / "cache"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "REST_LAB_CACHE": str(cache), "HOME": str(tmp_path / "home")}
+    done = subprocess.run([sys.executable, "-c", "import app; assert app.demo.engine"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not cache.exists() and not (tmp_path / "home" / ".cache" / "rest-lab").exists()
 
 
 # ---------------------------------------------------------------- uploads
@@ -273,7 +362,7 @@ def test_upload_store_is_built_and_drafts(tmp_path, session):
     from rest_core.model import load_model
 
     engine = sup.Engine(lm_factory=lambda name: load_model(), store_factory=lambda tok: None,
-                        cost_factory=lambda lm: None, recorder=TraceRecorder(tmp_path / "t.sqlite"))
+                        cost_factory=lambda lm, stores: None, recorder=TraceRecorder(tmp_path / "t.sqlite"))
     code = "def frobnicate_widgets(widget_list, factor):\n    return [w * factor for w in widget_list]\n"
     (tmp_path / "mine.py").write_text(code * 3)
     docs = sup.save_uploads(session, [str(tmp_path / "mine.py")])
@@ -290,12 +379,13 @@ def test_upload_store_is_built_and_drafts(tmp_path, session):
 
 @pytest.fixture(scope="module")
 def served(tiny, tiny_store, tmp_path_factory):
-    import app
     from gradio_client import Client
+
+    import app
 
     traces = tmp_path_factory.mktemp("served") / "traces.sqlite"
     demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: tiny_store,
-                          cost_factory=lambda lm: None, trace_db=str(traces), preload=False, defaults=TINY)
+                          cost_factory=lambda lm, stores: None, trace_db=str(traces), preload=False, defaults=TINY)
     demo.queue()
     _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
     yield demo, url, Client
@@ -321,8 +411,9 @@ def is_plot(value) -> bool:
 
 
 def test_module_builds_the_page():
-    import app
     import gradio as gr
+
+    import app
 
     assert isinstance(app.demo, gr.Blocks) and callable(app.build_demo)
 

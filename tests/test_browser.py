@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import private_cache
+
 pytestmark = pytest.mark.browser
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -27,13 +29,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_cache(tmp_path_factory):
+    """The page's cache (trace store, session folders, cost statistics) in a temporary folder, never the
+    real one; the converted default model is shared with the real cache when it is there already."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REST_LAB_CACHE", private_cache(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     if not CHROMIUM.exists():
         pytest.skip("Chromium is not installed at /usr/bin/chromium (scripts/setup.sh --dev installs it)")
     import app
     from datastores import build_datastore, iter_text_files
-    from rest_core.app import support as sup
+    from rest_core import app as sup
     from rest_core.model import load_model
 
     lm = load_model()

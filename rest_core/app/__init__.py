@@ -1,0 +1,70 @@
+"""What the REST Lab page (app.py) needs besides its widgets.
+
+Public face:
+
+* `Engine` (engine) -- models, built-in stores, cost models and the trace store shared by
+  every visitor; one decode at a time per model.
+* `Session` (session) -- one visitor's folder, uploads and the store built from them, chat,
+  past answers and runs; `save_uploads`, `build_upload_store`, `prune_sessions`.
+* `Settings` (settings) -- every control of the page, by name; limits and `message_of`.
+* `chat_turn`, `race` (live) -- a decode as a stream of `View`s, redrawn from the recorded steps.
+* `step_view`, `explain_step`, `run_table` (replay) -- recorded runs replayed without the model.
+* `explore` (explorer) -- what retrieval would draft for a context.
+* `Page` and the event handlers (page) -- what each control of app.py does (imported by app.py
+  directly, not re-exported here: it needs gradio).
+
+Modules import downstream only: settings → engine → session → decoding / streaming / panels →
+live, replay → explorer.
+"""
+from rest_core.app.engine import Engine, ModelSlot, StoreSlot
+from rest_core.app.explorer import explore
+from rest_core.app.live import View, chat_turn, race, race_verdict, special_texts
+from rest_core.app.markup import origin_legend_html, plain_answer_html, token_html, user_bubble
+from rest_core.app.panels import best_step, compact, fit, live_figures, metrics_html, panel
+from rest_core.app.replay import (
+    BRANCH_HEADERS,
+    CHOICE_HEADERS,
+    RUN_TABLE_HEADERS,
+    check_run,
+    explain_step,
+    open_run,
+    phase_title,
+    run_choices,
+    run_panels,
+    run_table,
+    step_count,
+    step_panel,
+    step_view,
+    visible_runs,
+)
+from rest_core.app.session import (
+    Session,
+    build_upload_store,
+    discard_session,
+    open_upload_store,
+    prune_sessions,
+    save_uploads,
+    sessions_root,
+    upload_summary,
+)
+from rest_core.app.settings import (
+    BUILT_IN,
+    NO_STATIC,
+    SETTING_NAMES,
+    UPLOADED,
+    Cancelled,
+    Settings,
+    UploadError,
+    message_of,
+    settings_from,
+)
+from rest_core.app.streaming import drain, stream_in_thread
+
+__all__ = ["BRANCH_HEADERS", "BUILT_IN", "CHOICE_HEADERS", "NO_STATIC", "RUN_TABLE_HEADERS", "SETTING_NAMES",
+           "UPLOADED", "Cancelled", "Engine", "ModelSlot", "Session", "Settings", "StoreSlot", "UploadError", "View",
+           "best_step", "build_upload_store", "chat_turn", "check_run", "compact", "discard_session", "drain",
+           "explain_step", "explore", "fit", "live_figures", "message_of", "metrics_html", "open_run",
+           "open_upload_store", "origin_legend_html", "panel", "phase_title", "plain_answer_html", "prune_sessions",
+           "race", "race_verdict", "run_choices", "run_panels", "run_table", "save_uploads", "sessions_root",
+           "settings_from", "special_texts", "step_count", "step_panel", "step_view", "stream_in_thread", "token_html",
+           "upload_summary", "user_bubble", "visible_runs"]

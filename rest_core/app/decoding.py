@@ -1,0 +1,155 @@
+"""A decode as the page runs it: its stores put together, its run recorded step by step.
+
+`prepare` turns the page's settings and prompt into a model, a prompt and a decoder;
+`rest_work` and `plain_work` are what a worker thread runs (see streaming), holding
+the model's lock; after a REST decode the app saves what it owns (the cost model's
+acceptance counts; a visitor's history stays in memory, in their session).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from datastores import assemble_stores, store_labels
+from rest_core.app.engine import Engine, ModelSlot
+from rest_core.app.session import Session, open_upload_store
+from rest_core.app.settings import NO_STATIC, STORE_WAIT_S, UPLOADED, Cancelled, Settings, message_of
+from rest_core.app.streaming import Emit
+from rest_core.decode import DecodeConfig, DecodeResult, PromptError, RestDecoder, plain_generate
+from rest_core.model import encode_prompt
+from rest_core.trace import StepTrace
+
+V = TypeVar("V")
+EMPTY_PROMPT = "The prompt is empty: type a question (chat) or some text or code to continue (completion)."
+
+
+@dataclass
+class Prepared:
+    """Everything a decode needs, checked before it starts."""
+
+    slot: ModelSlot
+    cfg: DecodeConfig
+    prompt_ids: list[int]
+    decoder: RestDecoder
+    notice: str  # a notice for the page ("" when none)
+
+
+def prompt_ids_of(slot: ModelSlot, settings: Settings, message: str, history: list[dict]) -> list[int]:
+    """The prompt's tokens: the chat template with the turns so far, or the text as it is."""
+    if not (message or "").strip():
+        raise PromptError(EMPTY_PROMPT)
+    chat = settings.mode == "chat"
+    if chat and not getattr(slot.lm.tokenizer, "chat_template", None):
+        raise PromptError(f"{slot.lm.name} has no chat template: switch the prompt format to completion.")
+    return encode_prompt(slot.lm.tokenizer, message, chat=chat, history=history if chat else None)
+
+
+def static_store_for(engine: Engine, slot: ModelSlot, session: Session, settings: Settings) -> tuple[Any, str]:
+    """(the static store the settings ask for, or None; a notice for the page)."""
+    if settings.static == NO_STATIC:
+        return None, ""
+    if settings.static == UPLOADED:
+        return open_upload_store(session, slot), ""
+    st = engine.start_static(slot)
+    st.finished.wait(STORE_WAIT_S)  # opening a built store takes milliseconds; a first build, minutes
+    if st.state == "ready":
+        return st.store, ""
+    if st.state == "building":
+        return None, ("The built-in datastore is still being built (first time on this machine: a few minutes, "
+                      f"{engine.store_progress(st)}); this answer drafts from the request and history stores only.")
+    if st.state == "failed":
+        return None, f"The built-in datastore is unavailable ({st.error}); drafting from the other stores only."
+    return None, ""
+
+
+def make_decoder(engine: Engine, slot: ModelSlot, session: Session, settings: Settings,
+                 cfg: DecodeConfig) -> tuple[RestDecoder, str]:
+    """The decoder over the stores the settings switch on (and a notice for the page)."""
+    static, notice = static_store_for(engine, slot, session, settings)
+    history = session.history_store(slot.lm.name, cfg) if settings.history_store else None
+    stores = assemble_stores(static=static, request=settings.request_store, history=history,
+                             n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
+    chooser = slot.chooser(stores) if cfg.draft_budget is None else None
+    return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser), notice
+
+
+def prepare(engine: Engine, session: Session, settings: Settings, message: str, history: list[dict],
+            say: Callable[[str], V]) -> Generator[V, None, Prepared]:
+    """Model, prompt and decoder for a decode; yields say(text) before each slow first-time step."""
+    cfg = settings.decode_config()
+    name = engine.canonical(settings.model)
+    if name not in engine.models:
+        yield say(f"Loading {name} (once; the first load on a machine takes longer)…")
+    slot = engine.model(name)
+    prompt_ids = prompt_ids_of(slot, settings, message, history)
+    if cfg.draft_budget is None and not slot.measured:
+        yield say("Measuring this machine's forward-pass cost for the automatic budget (once)…")
+    decoder, notice = make_decoder(engine, slot, session, settings, cfg)
+    return Prepared(slot, cfg, prompt_ids, decoder, notice)
+
+
+def start_run(engine: Engine, prep: Prepared, settings: Settings, session: Session, prompt_text: str) -> int:
+    """Record a new run of this visitor's (its steps follow as they are decoded)."""
+    lm = prep.slot.lm
+    run_id = engine.recorder.start_run(
+        model=lm.name, tokenizer_name=str(getattr(lm.tokenizer, "name_or_path", lm.name)),
+        stores=store_labels(prep.decoder.stores), settings=settings.record(session.id), prompt=prompt_text,
+        prompt_tokens=list(prep.prompt_ids))
+    session.run_ids.append(run_id)
+    return run_id
+
+
+def _decode(prep: Prepared, hook: Callable[[StepTrace], None], emit: Emit, defer_recording: bool) -> DecodeResult:
+    """Decode, recording every step with `hook` (after the decode when `defer_recording`: the race
+    times REST alone) and telling the page about each step."""
+    emit(("started", time.perf_counter()))
+    steps = prep.decoder.stream(prep.prompt_ids, prep.cfg)
+    deferred: list[StepTrace] = []
+    while True:
+        try:
+            trace = next(steps)
+        except StopIteration as finished:
+            result: DecodeResult = finished.value
+            break
+        if defer_recording:
+            deferred.append(trace)
+            emit(("tokens", trace.new_tokens))
+        else:
+            hook(trace)
+            emit(("step", trace.step))
+    for trace in deferred:
+        hook(trace)
+    return result
+
+
+def rest_work(engine: Engine, prep: Prepared, run_id: int, defer_recording: bool = False) -> Callable[[Emit], Any]:
+    """The worker side of a REST decode: record every step, tell the page, finish the run, save the
+    cost model's counts."""
+    def work(emit: Emit) -> DecodeResult:
+        rec = engine.recorder
+        with prep.slot.lock:
+            try:
+                result = _decode(prep, rec.step_hook(run_id, prep.slot.lm.tokenizer), emit, defer_recording)
+            except BaseException as err:
+                stopped = isinstance(err, Cancelled)
+                rec.finish_run(run_id, status="stopped" if stopped else "failed",
+                               error="stopped by the visitor" if stopped else message_of(err))
+                raise
+            rec.finish_run(run_id, output=result.text, new_tokens=result.new_tokens, steps=result.steps,
+                           wall_s=result.wall_s, mean_accepted=result.mean_accepted, status="done")
+            if prep.decoder.budget_chooser is not None:
+                prep.decoder.budget_chooser.save_stats()
+            return result
+    return work
+
+
+def plain_work(prep: Prepared) -> Callable[[Emit], Any]:
+    """The worker side of a plain decode: one untimed warm-up pass, then the timed decode."""
+    def work(emit: Emit) -> DecodeResult:
+        with prep.slot.lock:
+            plain_generate(prep.slot.lm, prep.prompt_ids, DecodeConfig(max_new_tokens=1))  # warm-up, not timed
+            emit(("started", time.perf_counter()))
+            return plain_generate(prep.slot.lm, prep.prompt_ids, prep.cfg, on_token=lambda t: emit(("tokens", [t])))
+    return work

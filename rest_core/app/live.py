@@ -1,0 +1,238 @@
+"""Decodes as the page watches them: a chat turn and a race, each a stream of `View`s.
+
+The decoder runs on a worker thread and records every step; the page is redrawn
+from the recorded rows (what is shown is what is stored), throttled so drawing
+never slows the decode much.
+"""
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import plotly.graph_objects as go
+
+from rest_core.app.decoding import EMPTY_PROMPT, Prepared, plain_work, prepare, rest_work, start_run
+from rest_core.app.engine import Engine
+from rest_core.app.markup import plain_answer_html, user_bubble
+from rest_core.app.panels import StepRows, best_step, compact, live_figures, metrics_html
+from rest_core.app.session import Session
+from rest_core.app.settings import FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
+from rest_core.app.streaming import Throttle, drain, stream_in_thread
+from rest_core.compare import first_difference, identical
+from rest_core.decode import DecodeResult
+from rest_core.traces import figures
+
+
+@dataclass
+class View:
+    """What one redraw of the page changes (None: leave it as it is)."""
+
+    chat: Optional[list] = None
+    tree: Optional[go.Figure] = None
+    mask: Optional[go.Figure] = None
+    speed: Optional[go.Figure] = None
+    metrics: Optional[str] = None
+    notice: Optional[str] = None  # the error / notice box ("" clears it)
+    warning: Optional[str] = None  # also shown as a toast
+    plain: Optional[str] = None  # race: the plain decode's text
+    rest: Optional[str] = None  # race: REST's coloured text
+    run_id: Optional[int] = None  # set once a run is recorded
+    done: bool = False
+
+
+def special_texts(tokenizer: Any) -> frozenset:
+    return frozenset(getattr(tokenizer, "all_special_tokens", None) or ())
+
+
+# ---------------------------------------------------------------- a chat turn
+
+class LiveAnswer:
+    """The chat's side of a running REST decode: the tinted answer and the side panel, redrawn from
+    the steps stored so far (the text at most every TEXT_INTERVAL_S, the figures less often)."""
+
+    def __init__(self, engine: Engine, prep: Prepared, run_id: int, chat: list):
+        self.rec, self.run_id, self.chat = engine.recorder, run_id, chat
+        self.steps = StepRows(self.rec, run_id)
+        self.plain_ms = prep.slot.plain_ms()
+        self.hide = special_texts(prep.slot.lm.tokenizer)
+        self.text = Throttle(TEXT_INTERVAL_S)
+        self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
+        self.latest, self.started = -1, 0.0
+
+    def views(self, batch: list) -> Iterator[View]:
+        for kind, value in batch:
+            if kind == "started":
+                self.started = value
+            elif kind == "step":
+                self.latest = value
+        shown = self.steps.rows[-1]["step"] if self.steps.rows else -1
+        if self.latest <= shown or not self.text.ready():
+            return
+        now = self.text.last
+        steps = self.steps.refresh()
+        self.chat[-1]["content"] = figures.origin_spans(steps, self.hide)
+        view = View(chat=self.chat, metrics=metrics_html(steps, now - self.started, self.plain_ms))
+        if now - self.last_fig >= self.fig_interval:
+            view.tree, view.mask, view.speed = live_figures(self.rec, self.run_id, steps, steps[-1]["step"])
+        yield view
+        if view.tree is not None:  # drawing and sending done: slow machines redraw less often
+            self.last_fig = time.perf_counter()
+            self.fig_interval = max(FIGURE_INTERVAL_S, (self.last_fig - now) / FIGURE_SHARE)
+
+    def failed(self, err: Exception) -> View:
+        text = message_of(err)
+        steps = self.steps.refresh()
+        self.chat[-1]["content"] = (figures.origin_spans(steps, self.hide) if steps else "") + \
+            f"<p>⚠ {html.escape(text)}</p>"
+        return View(chat=self.chat, notice=text, warning=text, run_id=self.run_id, done=True)
+
+    def finished(self, result: DecodeResult) -> View:
+        steps = self.steps.refresh()
+        self.chat[-1]["content"] = figures.origin_spans(steps, self.hide)
+        view = View(chat=self.chat, metrics=metrics_html(steps, result.wall_s, self.plain_ms, state="done"),
+                    run_id=self.run_id, done=True)
+        if steps:  # the run is over: show its most telling step (the one that accepted most drafts)
+            view.tree, view.mask, view.speed = live_figures(self.rec, self.run_id, steps, best_step(steps),
+                                                            self.rec.get_run(self.run_id))
+        return view
+
+
+def _say_in_chat(chat: list, text: str) -> View:
+    chat[-1]["content"] = html.escape(text)
+    return View(chat=chat, notice="")
+
+
+def chat_turn(engine: Engine, session: Session, settings: Settings, message: str) -> Iterator[View]:
+    """One chat (or completion) turn: the answer streamed with live figures, every step recorded."""
+    message = message or ""
+    if not message.strip():
+        yield View(notice=EMPTY_PROMPT, warning=EMPTY_PROMPT, done=True)
+        return
+    if settings.mode != "chat":
+        session.clear_chat()  # completions are independent: no earlier turns
+    chat = session.chat + [user_bubble(message), {"role": "assistant", "content": "…"}]
+    try:
+        prep = yield from prepare(engine, session, settings, message, session.history, partial(_say_in_chat, chat))
+    except Exception as err:  # every failure becomes a message in the page
+        text = message_of(err)
+        chat[-1]["content"] = f"⚠ {html.escape(text)}"
+        yield View(chat=chat, notice=text, warning=text, done=True)
+        return
+    chat[-1]["content"] = "thinking…"
+    yield View(chat=chat, notice=prep.notice, warning=prep.notice or None)
+
+    run_id = start_run(engine, prep, settings, session, message)
+    answer = LiveAnswer(engine, prep, run_id, chat)
+    try:
+        result = yield from drain(stream_in_thread(engine, rest_work(engine, prep, run_id)), answer.views)
+    except Exception as err:
+        session.chat = chat
+        yield answer.failed(err)
+        return
+    session.chat = chat
+    if settings.mode == "chat":
+        session.history = session.history + [{"role": "user", "content": message},
+                                             {"role": "assistant", "content": result.text}]
+    session.remember(prep.slot.lm.name, result.tokens)
+    yield answer.finished(result)
+
+
+# ---------------------------------------------------------------- a race
+
+class RaceText:
+    """One side of the race as plain text: its tokens so far, redrawn with the shared throttle."""
+
+    def __init__(self, tokenizer: Any, throttle: Throttle, side: str):
+        self.tokenizer, self.throttle, self.side = tokenizer, throttle, side
+        self.ids: list[int] = []
+
+    def views(self, batch: list) -> Iterator[View]:
+        self.ids += [t for kind, value in batch if kind == "tokens" for t in value]
+        if batch and self.throttle.ready():
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            yield View(plain=text) if self.side == "plain" else View(rest=plain_answer_html(text))
+
+
+def _say_in_race(text: str) -> View:
+    return View(plain=text, rest="", notice="")
+
+
+def race(engine: Engine, session: Session, settings: Settings, message: str) -> Iterator[View]:
+    """The same prompt decoded plainly, then with REST, each measured alone; speedup and exactness check."""
+    try:
+        prep = yield from prepare(engine, session, settings, message, [], _say_in_race)
+    except Exception as err:  # every failure becomes a message in the page
+        text = message_of(err)
+        yield View(notice=text, warning=text, plain="", rest="", done=True)
+        return
+    yield View(plain="warming up…", rest="waiting for the plain decode to finish…", notice=prep.notice,
+               warning=prep.notice or None, metrics="")
+    throttle, tok = Throttle(TEXT_INTERVAL_S), prep.slot.lm.tokenizer
+    try:
+        plain = yield from drain(stream_in_thread(engine, plain_work(prep)), RaceText(tok, throttle, "plain").views)
+        yield View(plain=plain.text, rest="REST decoding…")
+        run_id = start_run(engine, prep, settings, session, message)
+        rest = yield from drain(stream_in_thread(engine, rest_work(engine, prep, run_id, defer_recording=True)),
+                                RaceText(tok, throttle, "rest").views)
+    except Exception as err:
+        text = message_of(err)
+        yield View(notice=text, warning=text, done=True)
+        return
+    yield race_result(engine, prep, settings, plain, rest, run_id)
+
+
+def race_result(engine: Engine, prep: Prepared, settings: Settings, plain: DecodeResult, rest: DecodeResult,
+                run_id: int) -> View:
+    """Compare the two decodes once, record the comparison with the run, and show it."""
+    speedup = plain.wall_s / rest.wall_s if rest.wall_s else 0.0
+    same = identical(plain.tokens, rest.tokens, prep.slot.lm.eos_token_ids)
+    comparable = settings.greedy or prep.cfg.sampling.seed is not None
+    rec = engine.recorder
+    rec.finish_run(run_id, status="done", comparison={
+        "plain_wall_s": plain.wall_s, "plain_tokens_per_s": plain.tokens_per_s, "speedup": speedup,
+        "identical": same if comparable else None})
+    steps = rec.load_steps(run_id)
+    return View(rest=figures.origin_spans(steps, special_texts(prep.slot.lm.tokenizer)),
+                metrics=race_verdict(prep, settings, plain, rest, speedup, same),
+                speed=compact(figures.speed_figure(steps, rec.get_run(run_id)), 440, bottom=110),
+                run_id=run_id, done=True)
+
+
+def _check_line(prep: Prepared, settings: Settings, plain: DecodeResult, rest: DecodeResult, same: bool) -> str:
+    if settings.greedy:
+        return ("✓ Greedy outputs are identical, token for token." if same else
+                "✗ Greedy outputs differ. " + _difference(prep, plain, rest))
+    if prep.cfg.sampling.seed is not None:
+        return ("✓ Same seed, same sample." if same else
+                "Same seed, different samples: REST samples from exactly the same distribution, but a "
+                "draw can land differently when logits differ in the last bits. " + _difference(prep, plain, rest))
+    return "Sampling without a seed: outputs are not expected to match; fix a seed to compare them."
+
+
+def race_verdict(prep: Prepared, settings: Settings, plain: DecodeResult, rest: DecodeResult, speedup: float,
+                 same: bool) -> str:
+    """The measured speedup, both decodes' numbers and the exactness check, as HTML."""
+    check = _check_line(prep, settings, plain, rest, same)
+    return (f'<div class="verdict"><div class="verdict-big">{speedup:.2f}× {"faster" if speedup >= 1 else "(slower)"}'
+            f"</div><div>plain: {plain.new_tokens} tokens in {plain.wall_s:.2f} s "
+            f"({plain.tokens_per_s:.1f} tokens/s, {plain.steps} forward passes) · REST: {rest.new_tokens} tokens in "
+            f"{rest.wall_s:.2f} s ({rest.tokens_per_s:.1f} tokens/s, {rest.steps} forward passes, "
+            f"{rest.mean_accepted:.2f} tokens per pass)</div><div>{check}</div>"
+            '<div class="metric-note">Measured one after the other on the same machine, each alone (after one '
+            "untimed warm-up pass), prefill included. REST's time includes building each step's trace; the "
+            "steps are written to the trace store after its clock stops.</div></div>")
+
+
+def _difference(prep: Prepared, plain: DecodeResult, rest: DecodeResult) -> str:
+    try:
+        d = first_difference(prep.slot.lm, prep.prompt_ids, plain.tokens, rest.tokens)
+    except Exception:  # the explanation is optional
+        return ""
+    if "logit_gap" not in d:
+        return f"One output stops early, at token {d['first_difference']}."
+    return (f"First difference at token {d['first_difference']}; the model's logit gap between the two "
+            f"tokens there is {d['logit_gap']:.2e} (a near-tie, decided by rounding).")

@@ -1,0 +1,216 @@
+"""The page's state and its event handlers: what each button, box and timer of app.py does.
+
+`Page` holds the page's components by name (app.py's builders set them) and the engine
+every visitor shares; each handler takes the page first and returns {component: value}.
+app.py binds them to the events with `bound`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import MethodType
+from typing import Any, Optional
+
+import gradio as gr
+
+from rest_core.app.engine import Engine
+from rest_core.app.explorer import explore
+from rest_core.app.live import View, chat_turn, race
+from rest_core.app.replay import run_choices, run_panels, run_table, step_count, step_panel
+from rest_core.app.session import Session, build_upload_store, save_uploads, upload_summary
+from rest_core.app.settings import UPLOADED, Settings, message_of, settings_from
+
+try:  # on Hugging Face Spaces with ZeroGPU the decode handlers borrow a GPU
+    import spaces
+
+    on_gpu = spaces.GPU(duration=120)
+except ImportError:
+    def on_gpu(fn: Callable) -> Callable:
+        return fn
+
+
+class Page:
+    """The page's components by name (set by the builders), and the engine its handlers share."""
+
+    def __init__(self, engine: Engine, preload: bool):
+        self.engine, self.preload = engine, preload
+        self.settings: dict[str, Any] = {}  # setting name -> its control, in Settings' field order
+
+    def settings_of(self, values: tuple) -> Settings:
+        """The settings from the values of the controls, passed in the order of page.settings."""
+        return settings_from(dict(zip(self.settings, values)))
+
+
+def bound(handler: Callable, page: Page) -> Callable:
+    """A module-level handler with the page as its first argument, as Gradio calls it (a bound method
+    keeps the handler's signature and type hints, which Gradio reads for gr.Request and gr.SelectData)."""
+    return MethodType(handler, page)
+
+
+def notice_update(text: Optional[str]) -> Any:
+    return gr.Markdown(value=f"⚠ {text}" if text else "", visible=bool(text))
+
+
+def runs_update(page: Page, sess: Session, value: Optional[int] = None) -> Any:
+    return gr.Dropdown(choices=run_choices(page.engine.recorder, sess), value=value)
+
+
+def outputs(page: Page, values: dict, names: dict[str, str], skip_none: bool = False) -> dict:
+    """{component: value}: `names` maps keys of `values` to the page's component names."""
+    return {getattr(page, name): values[key] for key, name in names.items()
+            if not (skip_none and values[key] is None)}
+
+
+def view_outputs(page: Page, view: View, names: dict[str, str]) -> dict:
+    """The components a View changes (its None fields change nothing); its warning shows as a toast."""
+    out = outputs(page, vars(view), names, skip_none=True)
+    if view.notice is not None:
+        out[page.notice] = notice_update(view.notice)
+    if view.warning:
+        gr.Warning(view.warning)
+    return out
+
+
+CHAT_VIEW = {"chat": "chatbot", "tree": "tree_plot", "mask": "mask_plot", "speed": "speed_plot", "metrics": "metrics"}
+RACE_VIEW = {"plain": "race_plain", "rest": "race_rest", "metrics": "race_verdict", "speed": "race_speed"}
+STEP_PANEL = {"explanation": "explanation", "suffix": "suffix", "branches": "branches", "choices": "choices",
+              "path": "path", "tree": "step_tree", "mask": "step_mask"}
+RUN_PANELS = {"text": "history_text", "speed": "history_speed", "accept": "history_accept",
+              "phases": "history_phases"}
+EXPLORER = {"summary": "explore_summary", "suffix": "explore_suffix", "continuations": "explore_rows",
+            "tree": "explore_tree"}
+
+
+def on_load(page: Page, state: Any, request: gr.Request) -> dict:
+    sess = Session.ensure(state, request)
+    if page.preload:
+        page.engine.preload()
+    return {page.session: sess, page.run_pick: runs_update(page, sess), page.status: page.engine.status()}
+
+
+def tick_status(page: Page) -> dict:
+    return {page.status: page.engine.status(), page.status_timer: gr.Timer(active=not page.engine.ready())}
+
+
+@on_gpu
+def on_chat(page: Page, text: str, state: Any, request: gr.Request, *values: Any) -> Iterator[dict]:
+    sess = Session.ensure(state, request)
+    first = True
+    for view in chat_turn(page.engine, sess, page.settings_of(values), text):
+        out = {page.session: sess, **view_outputs(page, view, CHAT_VIEW)}
+        if first:
+            out[page.message] = ""
+        if first or view.done:
+            out[page.status] = page.engine.status()
+        if view.run_id:
+            out[page.run_pick] = runs_update(page, sess, view.run_id)
+        first = False
+        yield out
+
+
+def on_clear(page: Page, state: Any, request: gr.Request) -> dict:
+    sess = Session.ensure(state, request)
+    sess.clear_chat()
+    return {page.chatbot: [], page.session: sess, page.notice: notice_update("")}
+
+
+@on_gpu
+def on_race(page: Page, text: str, state: Any, request: gr.Request, *values: Any) -> Iterator[dict]:
+    sess = Session.ensure(state, request)
+    for view in race(page.engine, sess, page.settings_of(values), text):
+        out = {page.session: sess, **view_outputs(page, view, RACE_VIEW)}
+        if view.run_id:
+            out[page.run_pick] = runs_update(page, sess, view.run_id)
+        yield out
+
+
+def on_build(page: Page, files: Any, state: Any, model_name: str, request: gr.Request,
+             progress: gr.Progress = gr.Progress(track_tqdm=True)) -> dict:
+    sess = Session.ensure(state, request)
+    try:
+        progress(0.0, desc="Checking the files")
+        docs = save_uploads(sess, [getattr(f, "name", f) for f in (files or [])],
+                                upload_root=Path(page.demo.GRADIO_CACHE))
+        progress(0.05, desc="Loading the model's tokenizer")
+        store = build_upload_store(sess, docs, page.engine.model(model_name))
+    except Exception as err:  # a clear message, never a stack trace
+        text = message_of(err)
+        gr.Warning(text)
+        return {page.upload_status: f"⚠ {text}", page.session: sess, page.notice: notice_update(text)}
+    return {page.upload_status: upload_summary(sess, store), page.settings["static"]: UPLOADED,
+            page.session: sess, page.notice: notice_update("")}
+
+
+def show_step(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> dict:
+    sess = Session.ensure(state, request)
+    return {page.session: sess, **outputs(page, step_panel(page.engine, sess, run_id, index), STEP_PANEL)}
+
+
+def open_run_steps(page: Page, run_id: Any, state: Any, request: gr.Request) -> dict:
+    count = step_count(page.engine.recorder, Session.ensure(state, request), run_id) or 0
+    top = max(0, count - 1)
+    return {page.step_slider: gr.Slider(minimum=0, maximum=max(1, top), value=0, step=1, label=f"Step (0–{top})",
+                                        interactive=top > 0),
+            page.play_timer: gr.Timer(active=False), page.playing: False, page.play: gr.Button("▶ Play")}
+
+
+def move_step(page: Page, delta: int, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
+    count = step_count(page.engine.recorder, Session.ensure(state, request), run_id)
+    return gr.skip() if count is None else max(0, min(int(index or 0) + delta, count - 1))
+
+
+def step_back(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
+    return move_step(page, -1, run_id, index, state, request)
+
+
+def step_forward(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
+    return move_step(page, +1, run_id, index, state, request)
+
+
+def toggle_play(page: Page, is_playing: bool) -> dict:
+    now = not is_playing
+    return {page.playing: now, page.play_timer: gr.Timer(active=now),
+            page.play: gr.Button("⏸ Pause" if now else "▶ Play")}
+
+
+def tick_play(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> dict:
+    count = step_count(page.engine.recorder, Session.ensure(state, request), run_id)
+    nxt = int(index or 0) + 1
+    if count is None or nxt >= count:
+        return {page.playing: False, page.play_timer: gr.Timer(active=False), page.play: gr.Button("▶ Play")}
+    return {page.step_slider: nxt, page.playing: True}
+
+
+def refresh_runs(page: Page, state: Any, request: gr.Request) -> dict:
+    return {page.run_pick: runs_update(page, Session.ensure(state, request))}
+
+
+def on_table(page: Page, state: Any, request: gr.Request) -> dict:
+    sess = Session.ensure(state, request)
+    return {page.runs_table: run_table(page.engine.recorder, sess), page.session: sess}
+
+
+def pick_history(page: Page, state: Any, evt: gr.SelectData, request: gr.Request) -> dict:
+    sess = Session.ensure(state, request)
+    try:
+        run_id = int(evt.row_value[0])
+        panels = run_panels(page.engine.recorder, sess, run_id)
+    except (KeyError, ValueError, TypeError, IndexError) as err:
+        gr.Warning(str(err))
+        return {page.session: sess}
+    return {**outputs(page, panels, RUN_PANELS), page.run_pick: runs_update(page, sess, run_id), page.session: sess}
+
+
+def to_steps_tab(page: Page) -> dict:
+    return {page.tabs: gr.Tabs(selected="steps")}
+
+
+def on_explore(page: Page, text: str, budget_value: Any, state: Any, request: gr.Request, *values: Any) -> dict:
+    sess = Session.ensure(state, request)
+    try:
+        found = explore(page.engine, sess, page.settings_of(values), text, int(budget_value))
+    except Exception as err:  # a clear message, never a stack trace
+        msg = message_of(err)
+        gr.Warning(msg)
+        found = {"summary": f"⚠ {msg}", "suffix": "", "continuations": [], "tree": None}
+    return {**outputs(page, found, EXPLORER), page.session: sess}

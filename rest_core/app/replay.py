@@ -1,0 +1,216 @@
+"""Recorded runs, replayed without the model: which runs a visitor may see, the run table,
+and one step taken apart (`step_view`) and told in plain words (`explain_step`)."""
+from __future__ import annotations
+
+import html
+from typing import Any, Optional
+
+from rest_core.app.engine import Engine
+from rest_core.app.markup import token_html
+from rest_core.app.panels import fit, panel
+from rest_core.app.session import Session
+from rest_core.phases import PHASES
+from rest_core.traces import figures
+from rest_core.traces.recorder import TokenTexts, TraceRecorder
+from rest_core.traces.runs import RUN_COLUMNS
+
+RUN_TABLE_HEADERS = [header for header, _ in RUN_COLUMNS]
+BRANCH_HEADERS = ["store", "continuation", "count"]
+CHOICE_HEADERS = ["node", "depth", "draft token", "drafted by", "score", "model's next token", "accepted"]
+NO_RUN = "Choose a run first (decode something in the Chat or Race tab to record one)."
+
+
+def visible_runs(recorder: TraceRecorder, session: Session, limit: int = 500) -> list[dict]:
+    """This visitor's runs, and runs recorded outside the page (the command line); never another visitor's."""
+    out = []
+    for run in recorder.list_runs(limit=limit):
+        owner = (run.get("settings") or {}).get("app_session")
+        if owner == session.id or (owner is None and run["id"] not in session.run_ids):
+            out.append(run)
+    return out
+
+
+def run_label(run: dict) -> str:
+    prompt = (run.get("prompt") or "").replace("\n", " ")
+    prompt = prompt if len(prompt) <= 48 else prompt[:47] + "…"
+    extra = f", {run['speedup']:.2f}×" if run.get("speedup") else ""
+    mine = "" if (run.get("settings") or {}).get("app_session") else " [command line]"
+    return f"#{run['id']} {run['status']}: {run.get('steps') or 0} steps{extra}: {prompt}{mine}"
+
+
+def run_choices(recorder: TraceRecorder, session: Session) -> list[tuple[str, int]]:
+    return [(run_label(r), int(r["id"])) for r in visible_runs(recorder, session)]
+
+
+def run_table(recorder: TraceRecorder, session: Session) -> list[list]:
+    """The run table's rows: the columns the `traces list` command shows too."""
+    return [[get(r) for _, get in RUN_COLUMNS] for r in visible_runs(recorder, session)]
+
+
+def check_run(recorder: TraceRecorder, session: Session, run_id: Any) -> dict:
+    """A run this visitor may see (KeyError with a clear message otherwise; ValueError for a bad id)."""
+    if run_id in (None, ""):
+        raise KeyError(NO_RUN)
+    run_id = int(run_id)
+    if run_id not in {r["id"] for r in visible_runs(recorder, session)}:
+        raise KeyError(f"There is no run {run_id} among your runs.")
+    return recorder.get_run(run_id)
+
+
+def open_run(recorder: TraceRecorder, session: Session, run_id: Any) -> tuple[dict, list[dict]]:
+    """A run this visitor may see, and all its step rows."""
+    run = check_run(recorder, session, run_id)
+    return run, recorder.load_steps(run["id"])
+
+
+def step_count(recorder: TraceRecorder, session: Session, run_id: Any) -> Optional[int]:
+    """How many steps a run has (None when this visitor may not see it)."""
+    try:
+        return recorder.step_count(check_run(recorder, session, run_id)["id"])
+    except (KeyError, ValueError):
+        return None
+
+
+def run_panels(recorder: TraceRecorder, session: Session, run_id: Any) -> dict:
+    """The Run history tab's view of a run: its tinted text, speed, accepted drafts and phase times
+    (KeyError / ValueError when this visitor may not see it)."""
+    run, steps = open_run(recorder, session, run_id)
+    return {"text": figures.origin_text_html(steps, prompt=run.get("prompt")),
+            "speed": fit(figures.speed_figure(steps, run), 460),
+            "accept": panel(figures.acceptance_histogram(steps), 420),
+            "phases": panel(figures.phase_breakdown(steps), 420)}
+
+
+class TextsOfRun(dict):
+    """Token id -> text for a recorded run: what was stored, else the tokenizer's when there is one."""
+
+    def __init__(self, steps_detail: list[dict], tokenizer: Any = None):
+        super().__init__()
+        self.tokenizer = TokenTexts(tokenizer) if tokenizer is not None else None
+        for s in steps_detail:
+            for tok, text in zip(s.get("new_tokens", []), s.get("new_texts", [])):
+                self[int(tok)] = text
+            for n in s.get("nodes", []):
+                self[int(n["token_id"])] = n["token_text"]
+
+    def __missing__(self, token_id: int) -> str:
+        if self.tokenizer is not None:
+            try:
+                return self.tokenizer[token_id]
+            except Exception:  # an id this tokenizer does not know
+                pass
+        return f"⟨{token_id}⟩"
+
+
+def _lookup_sentence(step: dict) -> str:
+    """What each store found for the step's suffix, in the order the stores were searched."""
+    found: dict[str, list[dict]] = {}
+    for b in step["branches"]:
+        found.setdefault(b["source"], []).append(b)
+    parts = []
+    for source, m in (step.get("matched_len") or {}).items():
+        if not m:
+            parts.append(f"the {source} store found no match")
+            continue
+        total = sum(b["count"] for b in found.get(source, []))
+        parts.append(f"the {source} store matched the last {m} tokens and offered {total} continuation"
+                     f"{'s' if total != 1 else ''} ({len(found.get(source, []))} distinct)")
+    text = ("; ".join(parts) + ".") if parts else "No store was searched."
+    return text[0].upper() + text[1:]
+
+
+def _tree_sentence(step: dict, run: dict) -> str:
+    """How the draft tree was built and checked, and where the model parted from it."""
+    nodes, drafted = step["nodes"], step["draft_size"]
+    if drafted == 0:
+        return ("With nothing to draft, the step was an ordinary one: a single forward pass produced one "
+                f"token, “{token_html(step['bonus_text'])}”.")
+    budget = (run.get("settings") or {}).get("draft_budget", "auto")
+    budget_text = "chosen by the cost model" if budget in ("auto", None) else f"at most {budget}"
+    fwd = step.get("t_forward_ms")
+    fwd_text = f" ({fwd:.0f} ms)" if fwd else ""
+    accepted = [n for n in nodes if n["accepted"]][1:]
+    path = "".join(n["token_text"] for n in accepted)
+    _, offered, model_text = figures.disagreement(step)
+    origin = ", ".join(sorted(set(step.get("accepted_sources") or [])))
+    agree = (f"The model agreed with the first {len(accepted)} drafted token"
+             f"{'s' if len(accepted) != 1 else ''} (“{token_html(path)}”, drafted by the {origin} store)"
+             if accepted else "The model agreed with none of the drafted tokens")
+    stop = (f"then, where the draft offered {', '.join('“' + token_html(t) + '”' for t in offered)}, it chose "
+            f"“{token_html(model_text)}” instead" if offered else
+            f"then the draft ran out and the model added “{token_html(model_text)}”")
+    return (f"These were merged into a draft tree of {drafted} tokens (budget {budget_text}) hanging "
+            f"from the last committed token “{token_html(nodes[0]['token_text'])}”, and the model checked every "
+            f"branch in one forward pass over {drafted + 1} tokens{fwd_text}, each attending only to the prefix "
+            f"and its own ancestors. {agree}; {stop}: that bonus token comes from the model itself.")
+
+
+def explain_step(step: dict, run: dict) -> str:
+    """One paragraph, in plain words, of what happened at a recorded step."""
+    committed = len(step["new_tokens"])
+    return (f"**Step {step['step']}.** The context ends with “{token_html(step.get('query_text', ''))}”. "
+            f"{_lookup_sentence(step)} {_tree_sentence(step, run)} The step committed {committed} "
+            f"token{'s' if committed != 1 else ''} for one forward pass"
+            f"{' (plain decoding: one)' if committed > 1 else ''}.")
+
+
+def suffix_html(step: dict, texts: dict) -> str:
+    """The query suffix, its matched tail underlined per store."""
+    cells = [token_html(texts[int(t)]) for t in step["query"]]
+    rows = [f'<div class="suffix-row"><b>context tail</b> {"".join(f"<span class=q>{c}</span>" for c in cells)}'
+            "</div>"]
+    for source, m in (step.get("matched_len") or {}).items():
+        colour = figures.source_color(source)
+        matched = f"background:color-mix(in srgb, {colour} 20%, transparent);border-bottom:3px solid {colour}"
+        spans = "".join(f'<span class="q" style="{matched if i >= len(cells) - m else "opacity:.35"}">{c}</span>'
+                        for i, c in enumerate(cells))
+        rows.append(f'<div class="suffix-row"><b>{html.escape(source)}</b> matched {m} token{"s" if m != 1 else ""}'
+                    f" {spans}</div>")
+    return f'<div class="suffix">{"".join(rows)}</div>'
+
+
+def phase_title(phase: str) -> str:
+    """A step-through panel's title: the phase's number and name, as rest_core.phases has them."""
+    return f"{PHASES.index(phase) + 1}. {phase.capitalize()}"
+
+
+def step_view(recorder: TraceRecorder, run: dict, index: int, tokenizer: Any = None) -> dict:
+    """Everything the step-through panel shows for one step of a run, loading that step only
+    (tokenizer: optional, for the texts of context tokens the step did not produce itself)."""
+    step = recorder.load_step(run["id"], index)
+    texts = TextsOfRun([step], tokenizer)
+    step["query_text"] = "".join(texts[int(t)] for t in step["query"][-8:])
+    branches = [[b["source"], figures.show_token(b["text"]), b["count"]] for b in step["branches"][:60]]
+    choices = [[n["node"], n["depth"], figures.show_token(n["token_text"]), n["source"] or "root",
+                round(n["score"] or 0.0, 3), figures.show_token(n["model_choice_text"]),
+                "✓" if n["accepted"] else ""] for n in step["nodes"]]
+    accepted = [n for n in step["nodes"] if n["accepted"]][1:]
+    path = "".join(f'<span class="acc">{token_html(n["token_text"])}</span>' for n in accepted)
+    tree = figures.draft_tree_figure(step)
+    path_html = (f'<div class="path">accepted path: {path or "<i>no draft token</i>"} + bonus '
+                 f'<span class="bonus">{token_html(step["bonus_text"])}</span> → committed '
+                 f'{len(step["new_tokens"])} token(s)</div>')
+    return {"step": step, "suffix": suffix_html(step, texts), "branches": branches, "choices": choices,
+            "path": path_html, "explanation": explain_step(step, run),
+            "tree": panel(tree, min(1400, max(480, int(tree.layout.height or 480)))),
+            "mask": panel(figures.mask_heatmap(step), 560)}
+
+
+EMPTY_STEP = {"explanation": "", "suffix": "", "branches": [], "choices": [], "path": "", "tree": None, "mask": None}
+
+
+def step_panel(engine: Engine, session: Session, run_id: Any, index: Any) -> dict:
+    """What the step-through tab shows for step `index` of a run (clamped to the run's steps), or a
+    message in place of the explanation when there is nothing to show."""
+    if run_id in (None, ""):
+        return dict(EMPTY_STEP)
+    rec = engine.recorder
+    try:
+        run = check_run(rec, session, run_id)
+        count = rec.step_count(run["id"])
+        if not count:
+            return {**EMPTY_STEP, "explanation": "This run recorded no step."}
+        index = max(0, min(int(index or 0), count - 1))
+        return step_view(rec, run, index, engine.tokenizer_for(run.get("model")))
+    except (KeyError, ValueError) as err:
+        return {**EMPTY_STEP, "explanation": f"⚠ {str(err).strip(chr(39))}"}

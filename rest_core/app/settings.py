@@ -1,0 +1,94 @@
+"""The page's settings, its limits and how an error reads on the page."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from datastores import DatastoreError
+from rest_core.decode import DecodeConfig, PromptError
+from rest_core.model import DEFAULT_MODEL, ModelLoadError
+from rest_core.retrieve import RetrieveSettings
+from rest_core.sampling import Sampling
+
+log = logging.getLogger("rest_lab")
+
+MAX_UPLOAD_BYTES = int(os.environ.get("REST_LAB_MAX_UPLOAD_MB", 20)) * 2**20  # per visitor, all files together
+MAX_UPLOAD_FILES = 200
+MAX_MODELS = int(os.environ.get("REST_LAB_MAX_MODELS", 2))  # models kept in memory at once
+FIGURE_INTERVAL_S = 0.25  # at most 4 figure redraws per second while decoding...
+FIGURE_SHARE = 0.15  # ...and drawing takes at most this share of the time (it competes with the decode)
+STORE_WAIT_S = 3.0  # how long a decode waits for the built-in store before going on without it
+TEXT_INTERVAL_S = 0.08  # the streamed answer: at most about 12 updates per second
+MAX_MATCHES = 5000  # continuations taken per store and step
+BUILT_IN, UPLOADED, NO_STATIC = "built-in (Python sources)", "my uploaded files", "none"
+USER_ERRORS = (ModelLoadError, PromptError, DatastoreError, ValueError, FileNotFoundError)
+
+
+class UploadError(ValueError):
+    """The uploaded files cannot be used; the message says why."""
+
+
+class Cancelled(Exception):
+    """The visitor stopped the decode (or left the page)."""
+
+
+def message_of(err: BaseException) -> str:
+    """One clear line for the page: the message of a known error, the type of any other."""
+    if isinstance(err, USER_ERRORS):
+        return str(err)
+    log.exception("unexpected error", exc_info=err)
+    return f"Something went wrong ({type(err).__name__}: {str(err)[:300]}). The server log has the details."
+
+
+@dataclass
+class Settings:
+    """Every control of the page, by name (the page's controls carry the same names)."""
+
+    model: str = DEFAULT_MODEL
+    mode: str = "chat"  # chat | completion
+    static: str = BUILT_IN
+    request_store: bool = True
+    history_store: bool = False
+    max_new_tokens: int = 96
+    decoding: str = "greedy"  # greedy | sampling
+    temperature: float = 0.7
+    top_p: float = 0.95
+    seed: Optional[float] = 0
+    budget_mode: str = "auto"  # auto | fixed
+    budget: int = 16
+    n_max: int = 16
+    n_min: int = 2
+    continuation_len: int = 10
+
+    @property
+    def greedy(self) -> bool:
+        return self.decoding != "sampling"
+
+    def retrieve_settings(self) -> RetrieveSettings:
+        return RetrieveSettings(int(self.n_max), int(self.n_min), MAX_MATCHES, int(self.continuation_len))
+
+    def decode_config(self) -> DecodeConfig:
+        """The decoder's configuration (ValueError with a clear message when a value has no meaning)."""
+        sampling = Sampling() if self.greedy else Sampling(
+            temperature=float(self.temperature), top_p=float(self.top_p),
+            seed=None if self.seed is None or self.seed == "" else int(self.seed))
+        cfg = DecodeConfig(max_new_tokens=int(self.max_new_tokens), sampling=sampling,
+                           retrieve=self.retrieve_settings(),
+                           draft_budget=None if self.budget_mode == "auto" else int(self.budget))
+        cfg.validate()
+        return cfg
+
+    def record(self, owner: str) -> dict:
+        """What a recorded run keeps about how it was made (owner: the session that made it)."""
+        return {**self.decode_config().settings(), "chat": self.mode == "chat", "static": self.static,
+                "request_store": self.request_store, "history_store": self.history_store, "app_session": owner}
+
+
+SETTING_NAMES = tuple(f.name for f in fields(Settings))
+
+
+def settings_from(values: dict) -> Settings:
+    """Settings from the page's controls, keyed by setting name."""
+    return Settings(**{name: values[name] for name in SETTING_NAMES})
