@@ -24,6 +24,7 @@ import shutil
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 import pydivsufsort
@@ -172,7 +173,7 @@ def _tokenize_to_file(sources: list[DocumentSource], tokenizer, out_file: Path, 
     old_level = tf_logger.level
     tf_logger.setLevel(logging.ERROR)  # "sequence longer than model max length" is irrelevant here
 
-    def flush(f, texts: list[str]) -> None:
+    def flush(f: BinaryIO, texts: list[str]) -> None:
         enc = cache.get(texts) if cache is not None else None
         if enc is None:
             enc = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
@@ -231,8 +232,9 @@ def _tokenize_to_file(sources: list[DocumentSource], tokenizer, out_file: Path, 
     return state
 
 
-def build_datastore(out_path, tokenizer, documents: Iterable[tuple[str, str]] | DocumentSource | list[DocumentSource],
-                    *, progress: bool = True, max_tokens: int | None = None, overwrite: bool = False,
+def build_datastore(out_path: str | Path, tokenizer: Any,
+                    documents: Iterable[tuple[str, str]] | DocumentSource | list[DocumentSource], *,
+                    progress: bool = True, max_tokens: int | None = None, overwrite: bool = False,
                     resume: bool = False) -> TokenDatastore:
     """Tokenize documents into a new store at out_path and open it.
 
@@ -259,7 +261,7 @@ def build_datastore(out_path, tokenizer, documents: Iterable[tuple[str, str]] | 
     return _build(out, write_tokens, tok_info, lambda: [s.record() for s in sources], max_tokens)
 
 
-def build_from_token_documents(out_path, documents: Iterable[Sequence[int]], tokenizer=None, *,
+def build_from_token_documents(out_path: str | Path, documents: Iterable[Sequence[int]], tokenizer: Any = None, *,
                                tokenizer_info: dict | None = None, overwrite: bool = False,
                                max_tokens: int | None = None) -> TokenDatastore:
     """A store from already tokenized documents (lists/arrays of ids in [0, 2**32-1)).

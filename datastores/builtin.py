@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from datastores.build import build_datastore
 from datastores.common import DatastoreError, Store, cache_dir
@@ -29,7 +29,7 @@ from datastores.static import TokenDatastore
 DEFAULT_STORE_TOKENS = int(os.environ.get("REST_LAB_DEFAULT_STORE_TOKENS", 50_000_000))
 
 
-def default_store_path(tokenizer) -> Path:
+def default_store_path(tokenizer: Any) -> Path:
     return cache_dir() / "stores" / f"python-{tokenizer_fingerprint(tokenizer)[:12]}"
 
 
@@ -44,7 +44,7 @@ def _build_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def open_default_store(tokenizer, progress: bool = True, max_tokens: Optional[int] = None) -> TokenDatastore:
+def open_default_store(tokenizer: Any, progress: bool = True, max_tokens: Optional[int] = None) -> TokenDatastore:
     """Open (building on first use) the Python-source store for this tokenizer."""
     path = default_store_path(tokenizer)
     try:
@@ -63,7 +63,7 @@ def open_default_store(tokenizer, progress: bool = True, max_tokens: Optional[in
                                max_tokens=max_tokens or DEFAULT_STORE_TOKENS, overwrite=True)
 
 
-def open_static_store(spec: Optional[str], tokenizer, progress: bool = True) -> Optional[TokenDatastore]:
+def open_static_store(spec: Optional[str], tokenizer: Any, progress: bool = True) -> Optional[TokenDatastore]:
     """'default' (or None): the built-in store; 'none': no static store; anything else: a store folder."""
     if spec is None or spec == "default":
         return open_default_store(tokenizer, progress=progress)
@@ -72,11 +72,11 @@ def open_static_store(spec: Optional[str], tokenizer, progress: bool = True) -> 
     return TokenDatastore.open(spec, tokenizer=tokenizer)
 
 
-def default_history_path(tokenizer) -> Path:
+def default_history_path(tokenizer: Any) -> Path:
     return cache_dir() / "history" / f"history-{tokenizer_fingerprint(tokenizer)[:12]}.npz"
 
 
-def open_history(spec: Optional[str], tokenizer, n_max: int = 16, n_min: int = 2) -> Optional[HistoryStore]:
+def open_history(spec: Optional[str], tokenizer: Any, n_max: int = 16, n_min: int = 2) -> Optional[HistoryStore]:
     """'default': the persisted history of past answers for this tokenizer; 'none'/None: off; else a file.
 
     Indexed for suffixes of n_min..n_max tokens (a later request with other lengths re-indexes it)."""

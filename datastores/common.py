@@ -80,7 +80,8 @@ class Store(Protocol):
 
     source: str
 
-    def lookup(self, context, n_max: int, n_min: int, max_matches: int, continuation_len: int) -> Lookup: ...
+    def lookup(self, context: Sequence[int] | np.ndarray, n_max: int, n_min: int, max_matches: int,
+               continuation_len: int) -> Lookup: ...
 
     def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None: ...
 

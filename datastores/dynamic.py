@@ -173,7 +173,8 @@ class _NgramIndex:
                     break
                 h[k:] = h[k:] * _P_U + mixed[:h.size - k]  # (k+1)-gram hashes
 
-    def match(self, context, n_max: int, n_min: int, max_matches: int) -> tuple[int, int, np.ndarray]:
+    def match(self, context: Sequence[int] | np.ndarray, n_max: int, n_min: int,
+              max_matches: int) -> tuple[int, int, np.ndarray]:
         """(matched_len, total, chosen end positions most recent first) for a context."""
         if n_min < self.n_min:
             raise DatastoreError(f"this store indexes suffixes of at least {self.n_min} tokens, "
@@ -274,7 +275,7 @@ class RequestStore(StoreBase):
     def tokens(self) -> np.ndarray:
         return self._index.toks[:self._index.size].copy()
 
-    def lookup(self, context, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
+    def lookup(self, context: Sequence[int] | np.ndarray, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
                continuation_len: int = 10) -> Lookup:
         return _index_lookup(self._index, self.source, context, n_max, n_min, max_matches, continuation_len)
 
@@ -352,12 +353,12 @@ class HistoryStore(StoreBase):
         t = self._index.toks
         return [t[s:s + n].copy() for s, n in self._docs[self._first:]]
 
-    def lookup(self, context, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
+    def lookup(self, context: Sequence[int] | np.ndarray, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
                continuation_len: int = 10) -> Lookup:
         return _index_lookup(self._index, self.source, context, n_max, n_min, max_matches, continuation_len)
 
     # ------------------------------------------------------------------ persistence
-    def save(self, path=None) -> None:
+    def save(self, path: str | Path | None = None) -> None:
         """Write the live answers atomically (temp file + rename) to path or self.path."""
         path = Path(path) if path is not None else self.path
         if path is None:
@@ -381,7 +382,7 @@ class HistoryStore(StoreBase):
             tmp.unlink(missing_ok=True)
             raise DatastoreError(f"cannot save history to {path}: {exc}") from None
 
-    def load(self, path=None) -> None:
+    def load(self, path: str | Path | None = None) -> None:
         """Replace the contents with the answers saved at path (or self.path)."""
         path = Path(path) if path is not None else self.path
         if path is None or not path.exists():

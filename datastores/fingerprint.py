@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 from datastores.common import DatastoreError
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: Any) -> str:
     """Stable sha256 over the vocabulary (token -> id) and the special tokens.
 
     Two tokenizers with the same fingerprint map text to the same ids for all practical
@@ -28,7 +29,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def check_tokenizer(meta: dict, tokenizer, path: Path) -> None:
+def check_tokenizer(meta: dict, tokenizer: Any, path: Path) -> None:
     """Refuse a tokenizer other than the one the store was built with."""
     fp = tokenizer_fingerprint(tokenizer)
     built = meta["tokenizer"]

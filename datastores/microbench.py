@@ -14,16 +14,21 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from datastores.common import SEP
+from datastores.common import SEP, Store
 from datastores.sources import iter_text_files
+
+if TYPE_CHECKING:
+    from datastores.static import TokenDatastore
 
 __all__ = ["bench_store", "contexts_from_store", "contexts_from_texts", "format_report", "time_lookups"]
 
 
-def contexts_from_store(store, count: int = 2000, context_len: int = 64, seed: int = 0) -> list[np.ndarray]:
+def contexts_from_store(store: TokenDatastore, count: int = 2000, context_len: int = 64,
+                        seed: int = 0) -> list[np.ndarray]:
     """Random contexts ending inside the store's stream, cut at the previous separator."""
     rng = np.random.default_rng(seed)
     toks = store._tokens  # (N,) uint32
@@ -40,7 +45,7 @@ def contexts_from_store(store, count: int = 2000, context_len: int = 64, seed: i
     return out
 
 
-def contexts_from_texts(tokenizer, texts: Sequence[str], count: int = 2000, context_len: int = 64,
+def contexts_from_texts(tokenizer: Any, texts: Sequence[str], count: int = 2000, context_len: int = 64,
                         seed: int = 0) -> list[np.ndarray]:
     """Random contexts from tokenized held-out texts (each at least 2 tokens)."""
     rng = np.random.default_rng(seed)
@@ -58,7 +63,7 @@ def contexts_from_texts(tokenizer, texts: Sequence[str], count: int = 2000, cont
     return out
 
 
-def time_lookups(store, contexts: Sequence[np.ndarray], n_max: int = 16, n_min: int = 2,
+def time_lookups(store: Store, contexts: Sequence[np.ndarray], n_max: int = 16, n_min: int = 2,
                  max_matches: int = 5000, continuation_len: int = 10, warmup: int = 50) -> dict:
     """Latency percentiles (microseconds) and hit statistics of store.lookup over contexts."""
     for ctx in contexts[:warmup]:
@@ -83,8 +88,8 @@ def time_lookups(store, contexts: Sequence[np.ndarray], n_max: int = 16, n_min: 
             if (matched > 0).any() else 0.0, "mean_rows": float(rows.mean())}
 
 
-def bench_store(store, tokenizer=None, heldout_texts: Sequence[str] = (), count: int = 2000,
-                context_len: int = 64, seed: int = 0, **lookup_kw) -> dict:
+def bench_store(store: TokenDatastore, tokenizer: Any = None, heldout_texts: Sequence[str] = (), count: int = 2000,
+                context_len: int = 64, seed: int = 0, **lookup_kw: int) -> dict:
     """{"inside": stats, "heldout": stats (when texts and tokenizer are given)}."""
     report = {"store": str(getattr(store, "path", "")), "n_tokens": int(getattr(store, "n_tokens", 0)),
               "loadavg_1min": os.getloadavg()[0], "cpus": os.cpu_count(),

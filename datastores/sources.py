@@ -63,7 +63,7 @@ class DocumentSource:
 
 def iter_documents(pairs: Iterable[tuple[str, str]], kind: str = "documents") -> DocumentSource:
     """Wrap any iterable of (doc_id, text) pairs so a build can count it."""
-    def produce(src: DocumentSource):
+    def produce(src: DocumentSource) -> Iterator[tuple[str, str]]:
         for doc_id, text in pairs:
             yield str(doc_id), text
     return DocumentSource(kind, [], produce)
@@ -99,7 +99,7 @@ def _walk_files(roots: Sequence[Path], suffixes: tuple[str, ...] | None, prune: 
     seen: set[str] = set()
     out: list[Path] = []
 
-    def take(p: Path):
+    def take(p: Path) -> None:
         if suffixes and not p.name.endswith(suffixes):
             return
         try:
@@ -137,7 +137,7 @@ def _file_source(kind: str, roots: Sequence[Path], suffixes: tuple[str, ...] | N
         except OSError:
             pass
 
-    def produce(src: DocumentSource):
+    def produce(src: DocumentSource) -> Iterator[tuple[str, str]]:
         src.counts.update(counts)
         for f in files:
             text = _read_text(f, src.counts, max_bytes)
@@ -196,7 +196,7 @@ def iter_jsonl(path: Path | str, field: str = "text") -> DocumentSource:
     if not path.is_file():
         raise DatastoreError(f"JSONL file {path} does not exist; pass an existing .jsonl file")
 
-    def produce(src: DocumentSource):
+    def produce(src: DocumentSource) -> Iterator[tuple[str, str]]:
         try:
             f = open(path, "rb")
         except OSError:

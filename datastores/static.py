@@ -32,6 +32,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -158,7 +159,7 @@ class TokenDatastore(StoreBase):
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path, tokenizer=None, name: str | None = None) -> TokenDatastore:
+    def open(cls, path: str | Path, tokenizer: Any = None, name: str | None = None) -> TokenDatastore:
         """Open a built store. With ``tokenizer``, refuse a store built by another one.
         ``name`` labels it in runs and statistics instead of its path (``static:NAME``).
 
@@ -228,14 +229,14 @@ class TokenDatastore(StoreBase):
                      + f"  = {total / self.n_tokens:.2f} bytes/token")
         return "\n".join(lines)
 
-    def warm(self, background: bool = False):
+    def warm(self, background: bool = False) -> threading.Thread | None:
         """Touch every page of the mapped files so later lookups pay no page faults.
 
         A fresh mapping faults on first access to each 4 KiB page (microseconds each,
         hundreds per lookup at first); a server calls this once after opening, with
         background=True to keep opening instant (returns the thread).
         """
-        def touch():
+        def touch() -> None:
             for arr in (self._tokens, self._sa, self._ends):
                 if arr is None:
                     return

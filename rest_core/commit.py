@@ -7,7 +7,12 @@ at position prefix + d and lands in slot prefix + d, so nothing is re-rotated.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 def _layers(cache):
@@ -17,7 +22,7 @@ def _layers(cache):
     return layers
 
 
-def compact_cache(cache, prefix_len: int, accepted_nodes: list[int]) -> None:
+def compact_cache(cache: DynamicCache, prefix_len: int, accepted_nodes: list[int]) -> None:
     """Keep slots [0, prefix_len) and the accepted tree nodes, in path order."""
     keep = len(accepted_nodes)
     contiguous = accepted_nodes == list(range(keep))  # path along the first nodes: a crop suffices
@@ -33,5 +38,5 @@ def compact_cache(cache, prefix_len: int, accepted_nodes: list[int]) -> None:
         layer.values = values[:, :, :prefix_len + keep]
 
 
-def cache_length(cache) -> int:
+def cache_length(cache: Optional[DynamicCache]) -> int:
     return cache.get_seq_length() if cache is not None else 0

@@ -8,8 +8,12 @@ two candidates were there: a tiny logit gap is a near-tie decided by rounding.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rest_core.model import LoadedModel
 
 
 def cut_at_eos(tokens: Iterable[int], eos: Iterable[int] = ()) -> list[int]:
@@ -30,7 +34,7 @@ def identical(a: Sequence[int], b: Sequence[int], eos: Iterable[int] = ()) -> bo
 
 
 @torch.inference_mode()
-def first_difference(lm, prompt: Sequence[int], reference: Sequence[int], other: Sequence[int]) -> dict:
+def first_difference(lm: LoadedModel, prompt: Sequence[int], reference: Sequence[int], other: Sequence[int]) -> dict:
     """Where two decodes part, and the reference model's logit gap between the two tokens there.
 
     Returns {"first_difference": index} and, when both outputs have a token at that

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -37,6 +37,10 @@ from transformers import DynamicCache
 
 from datastores import cache_dir
 from rest_core.tree import DraftTree
+
+if TYPE_CHECKING:
+    from datastores import Store
+    from rest_core.model import LoadedModel
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63)
@@ -59,7 +63,7 @@ class CostModel:
 
     # -- construction ---------------------------------------------------------------
     @classmethod
-    def for_model(cls, lm, stores: Optional[Sequence] = None, cache: bool = True) -> CostModel:
+    def for_model(cls, lm: LoadedModel, stores: Optional[Sequence[Store]] = None, cache: bool = True) -> CostModel:
         """Calibrated for this model on this machine, with acceptance learned for these stores.
 
         The full curve is measured once and cached on disk and in this process; a new
@@ -177,7 +181,8 @@ def _bins(shares: np.ndarray) -> np.ndarray:
     return np.clip(np.digitize(shares, BINS) - 1, 0, len(BINS) - 2)
 
 
-def measure_forward_curve(lm, prefix_len: int = 256, repeats: int = 5, grid: tuple[int, ...] = GRID) -> np.ndarray:
+def measure_forward_curve(lm: LoadedModel, prefix_len: int = 256, repeats: int = 5,
+                          grid: tuple[int, ...] = GRID) -> np.ndarray:
     """Median time (ms) of one forward pass over q tokens after a prefix, for every q in grid."""
     model = lm.model
     vocab = model.get_input_embeddings().num_embeddings

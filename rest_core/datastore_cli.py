@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
@@ -26,10 +28,13 @@ from datastores.microbench import bench_store, format_report, read_heldout
 from datastores.sources import iter_jsonl, iter_python_sources, iter_text_files, site_packages_roots, stdlib_root
 from rest_core.model import load_tokenizer as load_model_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 __all__ = ["add_datastore_parser", "load_tokenizer", "main"]
 
 
-def load_tokenizer(spec: str = "default"):
+def load_tokenizer(spec: str = "default") -> PreTrainedTokenizerBase:
     """``default`` -> the project's model tokenizer; otherwise a local folder or hub id."""
     if spec == "default":
         return load_model_tokenizer(None)
@@ -152,7 +157,7 @@ def run_datastore(args: argparse.Namespace) -> int:
         return 130
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m datastores build|info|bench ...`"""
     p = argparse.ArgumentParser(prog="python -m datastores", description="Build and inspect REST token datastores.")
     return run_datastore(_add_commands(p).parse_args(argv))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from rest_core.sampling import Sampling, draw_token, next_token_probs
 from rest_core.trace import Branch, StepHook, StepTrace
 from rest_core.tree import DraftTree, build_draft_tree, prune_tree, root_only
 from rest_core.verify import Verdict, tree_forward, verify
+
+if TYPE_CHECKING:
+    from rest_core.cost import CostModel
 
 DEFAULT_BUDGET = 16  # draft nodes per step when no cost model decides
 
@@ -222,7 +225,7 @@ class Step:
 
 
 def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: Sequence[Store], cfg: DecodeConfig,
-              max_budget: int, chooser, gen: Optional[torch.Generator], room: int) -> Step:
+              max_budget: int, chooser: Optional[CostModel], gen: Optional[torch.Generator], room: int) -> Step:
     """One REST step: retrieve, draft tree, forward, verify, commit.  Extends `context`, `cache` and the stores."""
     timer = PhaseTimer(sync=(lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else None)
     prefix_len = len(context) - 1

@@ -16,7 +16,7 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import urlparse
 
 import torch
@@ -26,6 +26,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from datastores import cache_dir
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -60,7 +64,7 @@ class LoadedModel:
                 ids.update(int(v) for v in value)
         return ids
 
-    def forward(self, cache, **inputs):
+    def forward(self, cache: DynamicCache, **inputs: Any) -> CausalLMOutputWithPast:
         """One model call that appends to `cache` (named `cache` in newer transformers)."""
         if self._cache_kw is None:
             params = inspect.signature(self.model.forward).parameters
@@ -80,8 +84,9 @@ def cache_root() -> Path:
 ATTENTION = "rest_sdpa"  # transformers' SDPA attention, with grouped-query heads shared under a tree mask
 
 
-def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                       is_causal=None, **kwargs):
+def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                       is_causal: Optional[bool] = None, **kwargs: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """SDPA that shares key/value heads across query heads (grouped-query attention) also when a
     tree mask is given.  transformers' own SDPA path repeats the whole cache per layer in that case
     (on CPU only an environment variable changes that, for the whole process); the numbers are the
@@ -211,7 +216,7 @@ def _from_pretrained(loader, source: str, **kwargs):
         return loader.from_pretrained(source, **kwargs)
 
 
-def load_tokenizer(model: Optional[str] = None, trust_remote_code: bool = False):
+def load_tokenizer(model: Optional[str] = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     name, source = resolve_source(model)
     try:
         return _from_pretrained(AutoTokenizer, source, trust_remote_code=trust_remote_code)
@@ -219,7 +224,7 @@ def load_tokenizer(model: Optional[str] = None, trust_remote_code: bool = False)
         raise _friendly(name, source, err) from err
 
 
-def load_network(source: str, dtype: torch.dtype, trust_remote_code: bool = False):
+def load_network(source: str, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:
     """The causal LM at `source` with REST's attention (plain "sdpa" where the model's code does not
     go through transformers' attention interface)."""
     kwargs = dict(dtype=dtype, trust_remote_code=trust_remote_code)
@@ -250,7 +255,7 @@ def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype:
     return LoadedModel(model=net, tokenizer=tokenizer, name=name, source=source, device=dev, dtype=torch_dtype)
 
 
-def encode_prompt(tokenizer, text: str, chat: bool = False, history: Optional[list[dict]] = None) -> list[int]:
+def encode_prompt(tokenizer: Any, text: str, chat: bool = False, history: Optional[list[dict]] = None) -> list[int]:
     """Token ids for a prompt: raw completion, or a chat turn with the model's template."""
     if chat:
         if not getattr(tokenizer, "chat_template", None):

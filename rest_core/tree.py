@@ -15,10 +15,15 @@ itself and to its ancestors, at position prefix_len + depth.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from datastores import Lookup
 
 
 @dataclass
@@ -118,7 +123,8 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> t
     return {key: np.concatenate(parts) for key, parts in cand.items()}, total
 
 
-def build_draft_tree(root_token: int, lookups, budget: int, base_weights: dict[str, float] | None = None) -> DraftTree:
+def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
+                     base_weights: dict[str, float] | None = None) -> DraftTree:
     """Top-`budget` prefixes over all sources' continuations, flattened by depth."""
     stacked = _stack_rows(lookups, base_weights or {}) if budget > 0 else None
     if stacked is None:
@@ -152,7 +158,7 @@ def _children(tokens: np.ndarray, parents: np.ndarray) -> list[dict[int, int]]:
     return children
 
 
-def ancestors(parents) -> np.ndarray:
+def ancestors(parents: np.ndarray | Sequence[int]) -> np.ndarray:
     """(n, n) bool from a parent list (parents[i] < i, root -1): [i, j] is True when node j
     is node i itself or one of its ancestors, i.e. where node i may attend inside the tree."""
     n = len(parents)

@@ -18,12 +18,17 @@ node, shared by all paths through it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from rest_core.sampling import Sampling, draw_token, next_token_probs
 from rest_core.tree import DraftTree, tree_mask, tree_positions
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    from rest_core.model import LoadedModel
 
 
 @dataclass
@@ -33,8 +38,8 @@ class Verdict:
     model_choices: list[int]  # per node: the verifier's token (drawn at visited nodes when sampling)
 
 
-def tree_forward(lm, tree: DraftTree, prefix_len: int, cache) -> tuple[torch.Tensor, torch.Tensor,
-                                                                       Optional[torch.Tensor]]:
+def tree_forward(lm: LoadedModel, tree: DraftTree, prefix_len: int,
+                 cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """One model pass over every tree node; the cache grows by q entries (commit keeps the accepted ones).
 
     Returns (logits (q, V), position ids (1, q), the 4D mask passed to the model or None for a

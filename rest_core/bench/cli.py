@@ -25,7 +25,7 @@ from rest_core.model import load_model, load_tokenizer
 __all__ = ["add_bench_parser", "run_bench"]
 
 
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `bench` command to a `python -m rest_core` subparsers object."""
     p = subparsers.add_parser("bench", help="benchmark REST against plain decoding and HF generate()",
                               description=__doc__.split("\n\n")[0])

@@ -7,6 +7,7 @@ import platform
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import plotly.graph_objects as go
 import torch
@@ -14,6 +15,9 @@ import transformers
 from plotly.subplots import make_subplots
 
 from rest_core.bench.methods import TRACED
+
+if TYPE_CHECKING:
+    from rest_core.model import LoadedModel
 
 CHROMIUM = Path("/usr/bin/chromium")  # kaleido's browser for chart.png, when BROWSER_PATH names none
 
@@ -45,7 +49,7 @@ def cpu_info() -> dict:
             "cpu_vendor": found.get("vendor_id"), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def machine_info(lm) -> dict:
+def machine_info(lm: LoadedModel | type[_CpuOnly]) -> dict:
     """What the numbers depend on: CPU, cores, threads, library versions, device, dtype, model, load."""
     try:
         usable = len(os.sched_getaffinity(0))
@@ -82,7 +86,7 @@ def cpu_line(mc: dict) -> str:
 
 # -- results.md -----------------------------------------------------------------------------------------
 
-def fmt(x, spec: str = ".2f", none: str = "–") -> str:
+def fmt(x: float | None, spec: str = ".2f", none: str = "–") -> str:
     """x formatted with spec, or `none` when x is None."""
     return none if x is None else format(x, spec)
 

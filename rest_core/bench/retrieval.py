@@ -7,8 +7,9 @@ once from token ids and cached); the lookups themselves are timed by
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
@@ -31,7 +32,7 @@ def prefix_store(base: TokenDatastore, n_tokens: int, cache_root: Path | None = 
     toks = base._tokens[:n_tokens]  # (n,) uint32 view of the memory map
     cuts = np.flatnonzero(toks == SEP)
 
-    def documents():
+    def documents() -> Iterator[np.ndarray]:
         start = 0
         for c in [*cuts.tolist(), int(toks.size)]:
             if c > start:
@@ -54,9 +55,10 @@ def _store_row(store: TokenDatastore, base: TokenDatastore, rep: dict) -> dict:
             "total_bytes": b.get("total_bytes"), "built_at": store.meta.get("built_at")}
 
 
-def run_retrieval(base: TokenDatastore, sizes: Sequence[int], tokenizer=None, heldout_texts: Sequence[str] = (),
-                  out_dir=None, *, count: int = 2000, lookup: dict | None = None, command: str = "",
-                  png: bool = True, progress: bool = True, cache_root: Path | None = None) -> dict:
+def run_retrieval(base: TokenDatastore, sizes: Sequence[int], tokenizer: Any = None,
+                  heldout_texts: Sequence[str] = (), out_dir: str | Path | None = None, *, count: int = 2000,
+                  lookup: dict | None = None, command: str = "", png: bool = True, progress: bool = True,
+                  cache_root: Path | None = None) -> dict:
     """Lookup latency p50/p99 against store size, build throughput and bytes per token (from meta.json)."""
     lookup = dict(lookup or {})
     sizes = sorted({int(s) for s in sizes if 0 < int(s) < base.n_tokens}) + [base.n_tokens]

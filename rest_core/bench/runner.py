@@ -47,7 +47,8 @@ def _methods(cfg: DecodeConfig, methods: Sequence[str] | None) -> tuple[str, ...
 
 
 def run_benchmark(lm: LoadedModel, prompts: Sequence[BenchPrompt], cfg: DecodeConfig,
-                  methods: Sequence[str] | None = None, static_store: Store | None = None, out_dir=None, *,
+                  methods: Sequence[str] | None = None, static_store: Store | None = None,
+                  out_dir: str | Path | None = None, *,
                   suite: str = "custom", datastore: str = "", command: str = "", prompt_lookup_tokens: int = 10,
                   chi2_prompts: int = 1, chi2_seeds: int = 200, png: bool = True, progress: bool = True) -> dict:
     """Run every method on every prompt; write results.json/.md and the charts to out_dir; return the results."""

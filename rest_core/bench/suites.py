@@ -11,6 +11,7 @@ data to reformat), where drafting from the request store should pay off.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from rest_core.model import encode_prompt
 
@@ -187,7 +188,7 @@ def humaneval_prompts() -> list[tuple[str, str, bool]]:
     return [(task_id, problems[task_id]["prompt"], False) for task_id in problems]
 
 
-def load_suite(name: str, tokenizer, limit: int | None = None) -> list[BenchPrompt]:
+def load_suite(name: str, tokenizer: Any, limit: int | None = None) -> list[BenchPrompt]:
     """The suite's prompts, encoded for this tokenizer (first `limit` only when given)."""
     if name == "humaneval":
         raw, chat = humaneval_prompts(), False

@@ -28,7 +28,7 @@ def format_table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (h, _) in enumerate(columns)]
     numeric = [all(_is_number(get(r)) for r in rows) if rows else False for _, get in columns]
 
-    def line(values):
+    def line(values: Sequence[str]) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
 
     return "\n".join([line([h for h, _ in columns]), line(["-" * w for w in widths])] + [line(c) for c in cells])
