@@ -7,58 +7,66 @@
   built once from a corpus by `build_datastore` / ``python -m datastores build``.
 * `RequestStore` -- the current request (prompt + answer so far).
 * `HistoryStore` -- past answers, optionally persisted.
+* `RecycleStore` -- the model's own predictions (source "model"): each token's top-k
+  successors from the last verify pass that saw it, drafted as a tree (recycled tokens).
 * `assemble_stores` -- the one place a decode's stores are put together; the built-in
   Python store (`open_default_store`) and history (`open_history`) live beside it.
 """
 from datastores.build import build_datastore, build_from_token_documents, reversed_suffix_array
 from datastores.builtin import (
-                                assemble_stores,
-                                default_history_path,
-                                default_store_path,
-                                open_default_store,
-                                open_history,
-                                open_static_store,
-                                store_labels,
+    assemble_stores,
+    default_history_path,
+    default_recycle_path,
+    default_store_path,
+    open_default_store,
+    open_history,
+    open_recycle,
+    open_static_store,
+    store_labels,
 )
 from datastores.common import SEP, DatastoreError, Lookup, Store, StoreBase, cache_dir
 from datastores.dynamic import HistoryStore, RequestStore
 from datastores.fingerprint import check_tokenizer, tokenizer_fingerprint
+from datastores.recycle import RecycleStore
 from datastores.sources import (
-                                DocumentSource,
-                                default_python_roots,
-                                iter_documents,
-                                iter_jsonl,
-                                iter_python_sources,
-                                iter_text_files,
+    DocumentSource,
+    default_python_roots,
+    iter_documents,
+    iter_jsonl,
+    iter_python_sources,
+    iter_text_files,
 )
 from datastores.static import TokenDatastore
 
 __all__ = [
-                                "SEP",
-                                "DatastoreError",
-                                "DocumentSource",
-                                "HistoryStore",
-                                "Lookup",
-                                "RequestStore",
-                                "Store",
-                                "StoreBase",
-                                "TokenDatastore",
-                                "assemble_stores",
-                                "build_datastore",
-                                "build_from_token_documents",
-                                "cache_dir",
-                                "check_tokenizer",
-                                "default_history_path",
-                                "default_python_roots",
-                                "default_store_path",
-                                "iter_documents",
-                                "iter_jsonl",
-                                "iter_python_sources",
-                                "iter_text_files",
-                                "open_default_store",
-                                "open_history",
-                                "open_static_store",
-                                "reversed_suffix_array",
-                                "store_labels",
-                                "tokenizer_fingerprint",
+    "SEP",
+    "DatastoreError",
+    "DocumentSource",
+    "HistoryStore",
+    "Lookup",
+    "RecycleStore",
+    "RequestStore",
+    "Store",
+    "StoreBase",
+    "TokenDatastore",
+    "assemble_stores",
+    "build_datastore",
+    "build_from_token_documents",
+    "cache_dir",
+    "check_tokenizer",
+    "default_history_path",
+    "default_python_roots",
+    "default_recycle_path",
+    "default_store_path",
+    "iter_documents",
+    "iter_jsonl",
+    "iter_python_sources",
+    "iter_text_files",
+    "open_default_store",
+    "open_history",
+    "open_recycle",
+    "open_static_store",
+    "reversed_suffix_array",
+    "store_labels",
+    "tokenizer_fingerprint",
 ]

@@ -23,6 +23,7 @@ from datastores.build import build_datastore
 from datastores.common import DatastoreError, Store, cache_dir
 from datastores.dynamic import HistoryStore, RequestStore
 from datastores.fingerprint import tokenizer_fingerprint
+from datastores.recycle import RecycleStore
 from datastores.sources import iter_python_sources, site_packages_roots, stdlib_root
 from datastores.static import TokenDatastore
 
@@ -87,16 +88,40 @@ def open_history(spec: Optional[str], tokenizer: Any, n_max: int = 16, n_min: in
     return HistoryStore(path=path, n_max=n_max, n_min=n_min)
 
 
+def default_recycle_path(model_name: str, tokenizer: Any) -> Path:
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model_name)
+    return cache_dir() / "recycle" / f"{safe}-{tokenizer_fingerprint(tokenizer)[:12]}.npz"
+
+
+def open_recycle(spec: Optional[str], tokenizer: Any, vocab_size: int, model_name: str) -> Optional[RecycleStore]:
+    """The model's own predictions as a draft source: 'default' (kept per model and tokenizer between
+    runs), 'session' (in memory, starting empty), 'none'/None: off; anything else: a table file."""
+    if spec in (None, "none"):
+        return None
+    if spec == "session":
+        return RecycleStore(vocab_size)
+    path = default_recycle_path(model_name, tokenizer) if spec == "default" else Path(spec)
+    try:
+        return RecycleStore(vocab_size, path=path)
+    except DatastoreError:
+        if spec != "default":
+            raise
+        path.unlink(missing_ok=True)  # the built-in table is only a cache: start it afresh
+        return RecycleStore(vocab_size, path=path)
+
+
 def assemble_stores(static: Optional[Store] = None, request: bool = True, history: Optional[Store] = None,
-                    extra: Sequence[Store] = (), n_max: int = 16, n_min: int = 2) -> list[Store]:
-    """A decode's stores in merge order: static, request (prompt + answer so far), history, then any others.
+                    model: Optional[Store] = None, extra: Sequence[Store] = (), n_max: int = 16,
+                    n_min: int = 2) -> list[Store]:
+    """A decode's stores in merge order: static, request (prompt + answer so far), history, the model's
+    own predictions (recycled tokens), then any others.
 
     Each source name may appear once: the draft tree, the cost model and the traces tell drafts
     apart by it."""
     stores: list[Store] = [s for s in (static,) if s is not None]
     if request:
         stores.append(RequestStore(n_max=n_max, n_min=n_min))
-    stores.extend(s for s in (history, *extra) if s is not None)
+    stores.extend(s for s in (history, model, *extra) if s is not None)
     names = [s.source for s in stores]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -74,11 +74,14 @@ class Store(Protocol):
     the figures know a store's drafts by it); ``lookup`` answers with the longest
     context suffix it holds and the continuations that followed.  The decoder tells
     every store where a request stands: ``begin`` with the prompt, ``extend`` with
-    each step's committed tokens, ``end`` with the whole answer.  A store that does
-    not change while decoding inherits the no-op versions from `StoreBase`.
+    each step's committed tokens, ``end`` with the whole answer.  A store that learns
+    from the model itself sets ``successors_k`` > 0 and gets, after every forward pass,
+    each tree node's token with the model's top ``successors_k`` next tokens (`observe`).
+    A store that does not change while decoding inherits the no-op versions from `StoreBase`.
     """
 
     source: str
+    successors_k: int
 
     def lookup(self, context: Sequence[int] | np.ndarray, n_max: int, n_min: int, max_matches: int,
                continuation_len: int) -> Lookup: ...
@@ -89,6 +92,8 @@ class Store(Protocol):
 
     def end(self, answer: Sequence[int], remember: bool) -> None: ...
 
+    def observe(self, tokens: np.ndarray, successors: np.ndarray) -> None: ...
+
     @property
     def label(self) -> str: ...
 
@@ -97,6 +102,7 @@ class StoreBase:
     """No-op request lifecycle for stores that do not change while decoding."""
 
     source = ""
+    successors_k = 0  # > 0: wants the model's top predictions after every tree node (`observe`)
 
     def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
         """A request starts with this prompt, looked up with suffixes of n_min..n_max tokens."""
@@ -106,6 +112,10 @@ class StoreBase:
 
     def end(self, answer: Sequence[int], remember: bool) -> None:
         """The request finished with this answer; `remember` asks stores that learn to keep it."""
+
+    def observe(self, tokens: np.ndarray, successors: np.ndarray) -> None:
+        """tokens (q,): a forward pass's tree nodes; successors (q, successors_k): the model's top
+        next tokens after each, best first."""
 
     @property
     def label(self) -> str:

@@ -7,7 +7,14 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
-from datastores import DatastoreError, assemble_stores, open_history, open_static_store, store_labels
+from datastores import (
+    DatastoreError,
+    assemble_stores,
+    open_history,
+    open_recycle,
+    open_static_store,
+    store_labels,
+)
 from rest_core.bench.cli import add_bench_parser
 from rest_core.cli_args import add_decode_arguments, decode_config
 from rest_core.compare import first_difference, identical
@@ -45,6 +52,7 @@ def build_decoder(args: argparse.Namespace, lm: LoadedModel) -> RestDecoder:
     stores = assemble_stores(static=open_static_store(args.datastore, lm.tokenizer),
                              request=not args.no_request_store,
                              history=open_history(args.history, lm.tokenizer, cfg.retrieve.n_max, cfg.retrieve.n_min),
+                             model=open_recycle(args.model_drafts, lm.tokenizer, lm.vocab_size, lm.name),
                              n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
     auto = cfg.draft_budget is None  # a fixed budget needs no cost curve
     return RestDecoder(lm, stores=stores, budget_chooser=CostModel.for_model(lm, stores) if auto else None)

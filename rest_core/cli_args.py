@@ -21,6 +21,9 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-request-store", action="store_true", help="do not draft from the prompt and answer so far")
     g.add_argument("--history", default="none",
                    help="'none' (default), 'default' (persisted past answers) or a history file")
+    g.add_argument("--model-drafts", default="default",
+                   help="the model's own predictions as drafts (recycled tokens): 'default' (kept per model "
+                        "between runs), 'session' (start empty), 'none', or a table file")
     g = p.add_argument_group("retrieval and drafting")
     g.add_argument("--n-max", type=int, default=16, help="longest context suffix looked up (default 16)")
     g.add_argument("--n-min", type=int, default=2, help="shortest suffix that counts as a match (default 2)")

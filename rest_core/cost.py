@@ -8,10 +8,12 @@ number of draft tokens follows the expected gain:
 t(q) is the measured time of one forward pass over q tokens (calibrated once
 per model, device and thread count, cached, and refreshed with every step's
 real timing).  E[accepted] sums each kept node's chance of being accepted.  A
-node's retrieval score, as a share of the root's, is the fraction of retrieved
-continuations that start with its path: an estimate of that chance.  The
-estimate is calibrated online: per score bin, the share of drafted nodes that
-were really accepted.  When no tree pays for its cost, b = 0 is a plain step,
+node's share -- the fraction of its source's continuations that start with its
+path (for the model's own predictions, the prior chance of that path) -- is an
+estimate of that chance.  The estimate is calibrated online, per draft source and
+share bin: the fraction of drafted nodes that were really accepted.  Nodes are
+kept best chance first (a child never above its parent), so a source that is
+accepted more wins the budget over one that merely retrieved more.  When no tree pays for its cost, b = 0 is a plain step,
 so REST never runs slower than plain decoding by design.
 
 Acceptance is counted per draft source (any name a store gives itself) and kept
@@ -36,7 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from datastores import cache_dir
-from rest_core.tree import DraftTree
+from rest_core.tree import DraftTree, keep_nodes
 
 if TYPE_CHECKING:
     from datastores import Store
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63)
-BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 0.95, 1.0001])  # score share bins
+BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 0.95, 1.0001])  # share bins
 PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior (the share itself) in each bin: learning wins soon
 MAX_COUNT = 5000.0  # per bin: older observations fade so the calibration keeps adapting
 
@@ -56,7 +58,7 @@ class CostModel:
     grid: tuple[int, ...] = GRID
     times_ms: np.ndarray = field(default_factory=lambda: np.zeros(len(GRID)))  # median forward time per grid size
     max_budget: int = 63
-    # per draft source: drafted / accepted node counts per score-share bin, (2, bins)
+    # per draft source: drafted / accepted node counts per share bin, (2, bins)
     counts: dict[str, np.ndarray] = field(default_factory=dict)
     stats_path: Path | None = None  # where the acceptance counts persist between runs
     _recent: dict = field(default_factory=dict, repr=False)
@@ -105,7 +107,7 @@ class CostModel:
         return got
 
     def acceptance(self, shares: np.ndarray, sources: Sequence[str]) -> np.ndarray:
-        """Calibrated chance that a node with this score share, drafted by this source, is accepted."""
+        """Calibrated chance that a node with this share of its source's continuations is accepted."""
         b = _bins(shares)
         drafted = np.zeros(len(shares))
         accepted = np.zeros(len(shares))
@@ -115,29 +117,49 @@ class CostModel:
             drafted[rows], accepted[rows] = c[0, b[rows]], c[1, b[rows]]
         return (accepted + PRIOR_WEIGHT * shares) / (drafted + PRIOR_WEIGHT)
 
-    def choose(self, tree: DraftTree) -> int:
-        """Best number of draft nodes (top by score) for this tree."""
+    def ranked(self, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+        """Draft nodes (1-based) best first, and each one's calibrated chance of being accepted.
+
+        A node is accepted only with its parent, so its chance is capped at its parent's: then
+        every prefix of the ranking is a tree (ties go to the shallower node)."""
         n = tree.draft_size
-        if n == 0:
-            return 0
-        shares = tree.scores[1:] / tree.scores[0]
-        order = np.lexsort((np.arange(n), tree.depths[1:], -shares))  # the order prune_tree keeps nodes in
-        chance = self.acceptance(shares[order], [tree.sources[1 + i] for i in order])
+        chance = self.acceptance(tree.shares[1:], tree.sources[1:])  # (n,)
+        for i in range(n):  # parents come first
+            parent = int(tree.parents[i + 1])
+            if parent > 0:
+                chance[i] = min(chance[i], chance[parent - 1])
+        order = np.lexsort((np.arange(n), tree.depths[1:], -chance))
+        return order + 1, chance[order]
+
+    def _best_budget(self, chance: np.ndarray) -> int:
         gain = np.concatenate([[0.0], np.cumsum(chance)])  # (n+1,) expected accepted drafts of the top b
         best, best_rate = 0, 1.0 / self.forward_ms(1)
         for b in CANDIDATE_BUDGETS:
-            if b == 0 or b > n:
+            if b == 0 or b > chance.size:
                 continue
             rate = (1.0 + gain[b]) / self.forward_ms(b + 1)
             if rate > best_rate:
                 best, best_rate = b, rate
         return best
 
+    def choose(self, tree: DraftTree) -> int:
+        """Best number of draft nodes for this tree (the top of `ranked`)."""
+        if tree.draft_size == 0:
+            return 0
+        return self._best_budget(self.ranked(tree)[1])
+
+    def select(self, tree: DraftTree) -> DraftTree:
+        """The tree cut to the nodes worth their cost: the best `choose(tree)` of `ranked(tree)`."""
+        if tree.draft_size == 0:
+            return tree
+        order, chance = self.ranked(tree)
+        return keep_nodes(tree, order[:self._best_budget(chance)])
+
     def observe(self, tree: DraftTree, accepted_nodes: list[int], forward_ms: float) -> None:
         """Learn from one verified step: which nodes were accepted, and what the pass cost."""
         q = len(tree)
         if q > 1:
-            bins = _bins(tree.scores[1:] / tree.scores[0])
+            bins = _bins(tree.shares[1:])
             hit = np.zeros(q - 1)
             hit[[n - 1 for n in accepted_nodes[1:]]] = 1.0
             sources = tree.sources[1:]

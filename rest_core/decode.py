@@ -32,7 +32,7 @@ from rest_core.phases import PHASES, PhaseTimer
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
 from rest_core.sampling import Sampling, draw_token, next_token_probs
 from rest_core.trace import Branch, StepHook, StepTrace
-from rest_core.tree import DraftTree, build_draft_tree, prune_tree, root_only
+from rest_core.tree import DraftTree, build_draft_tree, root_only
 from rest_core.verify import Verdict, tree_forward, verify
 
 if TYPE_CHECKING:
@@ -83,6 +83,8 @@ class DecodeResult:
     phase_ms: dict[str, float] = field(default_factory=dict)  # summed over steps
     retrieve_ms: list[float] = field(default_factory=list)  # per step
     budgets: list[int] = field(default_factory=list)  # per step
+    drafted_by_source: dict[str, int] = field(default_factory=dict)  # draft nodes sent to the model, per source
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # committed draft tokens, per source
 
     @property
     def new_tokens(self) -> int:
@@ -106,7 +108,7 @@ def check_prompt(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig) -> i
     """Refuse an empty or over-long prompt or unknown token ids; the tokens there is room for."""
     if len(prompt) == 0:
         raise PromptError("The prompt is empty: type some text to continue or a question to answer.")
-    vocab = lm.model.get_input_embeddings().num_embeddings
+    vocab = lm.vocab_size
     bad = [t for t in prompt if not 0 <= int(t) < vocab]
     if bad:
         raise PromptError(f"The prompt holds token ids outside the model's vocabulary (0..{vocab - 1}): {bad[:5]}. "
@@ -237,13 +239,14 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
         tree = build_draft_tree(context[-1], lookups, budget, dict(cfg.source_weights)) if lookups \
             else root_only(context[-1])
         if chooser is not None:
-            budget = chooser.choose(tree)
-            tree = prune_tree(tree, budget)
+            tree = chooser.select(tree)
+            budget = tree.draft_size
     with timer("forward"):
         logits, positions, mask = tree_forward(lm, tree, prefix_len, cache)
     with timer("verify"):
         verdict = verify(tree, logits, cfg.sampling, gen)
     with timer("commit"):
+        _teach(stores, tree, logits)
         compact_cache(cache, prefix_len, verdict.accepted_nodes)
         proposed = [int(tree.tokens[n]) for n in verdict.accepted_nodes[1:]] + [verdict.bonus_token]
         new, stop = _cut(proposed, room, lm.eos_token_ids, cfg.stop_at_eos)
@@ -251,6 +254,17 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
         for store in stores:
             store.extend(new)
     return Step(prefix_len, query, lookups, budget, tree, positions, mask, logits, verdict, new, stop, timer.ms)
+
+
+def _teach(stores: Sequence[Store], tree: DraftTree, logits: torch.Tensor) -> None:
+    """Hand every node's top predictions to the stores that learn from the model."""
+    want = max((s.successors_k for s in stores), default=0)
+    if want <= 0:
+        return
+    top = logits.topk(min(want, logits.shape[-1]), dim=-1).indices.cpu().numpy()  # (q, k)
+    for store in stores:
+        if store.successors_k > 0:
+            store.observe(tree.tokens, top[:, :store.successors_k])
 
 
 class RestDecoder:
@@ -325,6 +339,12 @@ def _tally(res: DecodeResult, step: Step) -> None:
     res.retrieve_ms.append(step.timings_ms["retrieve"])
     res.budgets.append(step.budget)
     res.draft_tokens += len(step.tree) - 1
-    res.accepted_drafts += min(len(step.verdict.accepted_nodes) - 1, len(step.new_tokens))  # committed drafts only
+    committed = min(len(step.verdict.accepted_nodes) - 1, len(step.new_tokens))  # committed drafts only
+    res.accepted_drafts += committed
+    for source in step.tree.sources[1:]:
+        res.drafted_by_source[source] = res.drafted_by_source.get(source, 0) + 1
+    for node in step.verdict.accepted_nodes[1:1 + committed]:
+        source = step.tree.sources[node]
+        res.accepted_by_source[source] = res.accepted_by_source.get(source, 0) + 1
     res.no_draft_steps += len(step.tree) == 1
     res.steps += 1

@@ -72,6 +72,11 @@ class LoadedModel:
         return self.model(**inputs, **{self._cache_kw: cache}, use_cache=True)
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: every token id the model can see."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
     def max_positions(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
 

@@ -34,6 +34,9 @@ class DraftTree:
     scores: np.ndarray  # (n,) float64; root = total weight
     sources: list[str] = field(default_factory=list)  # dominant source per node ("" for root)
     children: list[dict[int, int]] = field(default_factory=list)  # token -> child node, per node
+    # (n,) float64: the share of its dominant source's continuations that run through each node
+    # (root: 1.0) -- that source's own estimate of the chance the text continues this way
+    shares: np.ndarray = field(default_factory=lambda: np.ones(1))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -95,7 +98,8 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> t
         cum_src[s_id, 1:] = np.cumsum(src == s_id)
     total = float(cum_src[:, -1] @ unit)
 
-    cand = {key: [] for key in ("depth", "token", "score", "start", "parent", "source")}
+    source_total = cum_src[:, -1] * unit  # (S,) each source's whole weight
+    cand = {key: [] for key in ("depth", "token", "score", "start", "parent", "source", "share")}
     prev_starts, prev_ids = None, None
     next_id = 0
     for d in range(width):
@@ -113,9 +117,11 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> t
         ids = np.full(starts.shape[0], -1)
         ids[valid] = np.arange(next_id, next_id + int(valid.sum()))
         next_id += int(valid.sum())
+        dominant = by_src[:, valid].argmax(axis=0)
+        share = by_src[dominant, np.flatnonzero(valid)] / source_total[dominant]
         for key, value in (("depth", np.full(int(valid.sum()), d + 1)), ("token", tokens[valid]),
                            ("score", by_src.sum(axis=0)[valid]), ("start", starts[valid]),
-                           ("parent", parent[valid]), ("source", by_src[:, valid].argmax(axis=0))):
+                           ("parent", parent[valid]), ("source", dominant), ("share", share)):
             cand[key].append(value)
         prev_starts, prev_ids = starts, ids
         if not valid.any():
@@ -147,7 +153,9 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
     tree_depths = np.concatenate([[0], c["depth"][keep]]).astype(np.int64)
     tree_scores = np.concatenate([[total], c["score"][keep]])
     sources = [""] + [names[i] for i in c["source"][keep]]
-    return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources, _children(tree_tokens, tree_parents))
+    shares = np.concatenate([[1.0], c["share"][keep]])
+    return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources,
+                     _children(tree_tokens, tree_parents), shares)
 
 
 def _children(tokens: np.ndarray, parents: np.ndarray) -> list[dict[int, int]]:
@@ -202,10 +210,16 @@ def prune_tree(tree: DraftTree, budget: int) -> DraftTree:
     if budget <= 0:
         return root_only(int(tree.tokens[0]))
     nodes = np.arange(1, len(tree))
-    best = nodes[np.lexsort((nodes, tree.depths[1:], -tree.scores[1:]))[:budget]]
-    keep = np.concatenate([[0], np.sort(best)])  # still flattened by depth
+    return keep_nodes(tree, nodes[np.lexsort((nodes, tree.depths[1:], -tree.scores[1:]))[:budget]])
+
+
+def keep_nodes(tree: DraftTree, nodes: np.ndarray) -> DraftTree:
+    """The tree cut to these draft nodes (every kept node's parent must be kept too), still flattened by depth."""
+    keep = np.concatenate([[0], np.sort(np.asarray(nodes, dtype=np.int64))])
     new_index = np.full(len(tree), -1)
     new_index[keep] = np.arange(keep.size)
     parents = np.concatenate([[-1], new_index[tree.parents[keep[1:]]]]).astype(np.int64)
+    if (parents[1:] < 0).any():
+        raise ValueError("keep_nodes: a kept node's parent was cut; keep a prefix-closed set of nodes")
     return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep],
-                     [tree.sources[i] for i in keep], _children(tree.tokens[keep], parents))
+                     [tree.sources[i] for i in keep], _children(tree.tokens[keep], parents), tree.shares[keep])
