@@ -13,8 +13,9 @@ path (for the model's own predictions, the prior chance of that path) -- is an
 estimate of that chance.  The estimate is calibrated online, per draft source and
 share bin: the fraction of drafted nodes that were really accepted.  Nodes are
 kept best chance first (a child never above its parent), so a source that is
-accepted more wins the budget over one that merely retrieved more.  When no tree pays for its cost, b = 0 is a plain step,
-so REST never runs slower than plain decoding by design.
+accepted more wins the budget over one that merely retrieved more.  When no tree
+pays for its cost, b = 0 is a plain step, so REST never runs slower than plain
+decoding by design.
 
 Acceptance is counted per draft source (any name a store gives itself) and kept
 between runs per model and set of stores: a request-store draft with a given
