@@ -6,8 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from datastores import HistoryStore, RecycleStore, assemble_stores
+from rest_core.cli import save_learned
+from rest_core.cost import GRID, CostModel
+from rest_core.decode import DecodeConfig, RestDecoder
 from rest_core.model import ATTENTION, load_network
 
 from conftest import make_tiny_lm
@@ -50,3 +55,15 @@ def test_loading_a_model_sets_no_process_wide_switch_and_keeps_the_numbers(tmp_p
         tiny_out = tiny.model(input_ids=prefix, use_cache=True)
         want = tiny.model(**ref_kw, past_key_values=tiny_out.past_key_values).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_save_learned_keeps_persisted_stores_and_statistics(tiny_lm, tmp_path):
+    recycled = RecycleStore(tiny_lm.vocab_size, path=tmp_path / "model.npz")
+    history = HistoryStore(path=tmp_path / "history.npz")
+    chooser = CostModel(times_ms=np.linspace(10.0, 40.0, len(GRID)), stats_path=tmp_path / "acc.json")
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(history=history, model=recycled), budget_chooser=chooser)
+    dec.generate([5, 6, 7], DecodeConfig(max_new_tokens=6))
+    assert not any(tmp_path.iterdir())  # the decoder itself writes nothing
+    save_learned(dec)
+    assert {p.name for p in tmp_path.iterdir()} == {"model.npz", "history.npz", "acc.json"}
+    assert RecycleStore(tiny_lm.vocab_size, path=tmp_path / "model.npz").known == recycled.known > 0

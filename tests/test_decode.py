@@ -10,7 +10,7 @@ from scipy.stats import chi2
 from transformers import DynamicCache
 
 import rest_core.verify as verify_mod
-from datastores import HistoryStore, assemble_stores
+from datastores import HistoryStore, RecycleStore, assemble_stores
 from rest_core.commit import compact_cache
 from rest_core.decode import DecodeConfig, PromptError, RestDecoder, plain_generate
 from rest_core.retrieve import RetrieveSettings
@@ -169,9 +169,9 @@ def _chi_square_p(observed: dict, expected_probs: dict, n: int) -> float:
     return float(chi2.sf(stat, dof - 1))
 
 
-def _sample_many(lm, prompt, sampling, store, runs, length):
+def _sample_many(lm, prompt, sampling, store, runs, length, stores=None):
     counts = {}
-    dec = RestDecoder(lm, stores=assemble_stores(static=store, request=False))
+    dec = RestDecoder(lm, stores=stores if stores is not None else assemble_stores(static=store, request=False))
     for seed in range(runs):
         cfg = DecodeConfig(max_new_tokens=length, draft_budget=6, stop_at_eos=False,
                            sampling=Sampling(sampling.temperature, sampling.top_k, sampling.top_p, seed),
@@ -194,6 +194,20 @@ def test_rest_sampling_matches_plain_distribution():
     store = BruteForceStore([1, 2, 0, 1, 2, 1, 2, 3, 0, 0, 1, 2, 2, 2, 3, 2, 0, 1])  # branching drafts
     runs = 1500
     observed = _sample_many(lm, prompt, sampling, store, runs, 3)
+    assert _chi_square_p(observed, expected, runs) > 1e-3
+
+
+def test_rest_sampling_with_the_models_own_drafts_matches_plain_distribution():
+    lm = make_tiny_lm(seed=3, **SMALL)
+    with torch.no_grad():
+        lm.model.lm_head.weight.mul_(0.25)
+    prompt = [1, 2]
+    sampling = Sampling(temperature=0.9, top_p=0.95)
+    expected = _exact_sequence_probs(lm, prompt, sampling, 3, 5)
+    recycled = RecycleStore(5, k=3)  # learns from every pass, so later runs draft branching trees from it
+    runs = 1000
+    observed = _sample_many(lm, prompt, sampling, None, runs, 3, stores=assemble_stores(request=False, model=recycled))
+    assert recycled.known >= 3
     assert _chi_square_p(observed, expected, runs) > 1e-3
 
 
@@ -295,3 +309,17 @@ def test_stores_learn_only_through_their_lifecycle(tiny_lm, tmp_path):
     assert len(history) == 1 and not (tmp_path / "h.npz").exists()  # kept in memory, saved by its owner
     dec.generate([1, 2, 3], DecodeConfig(max_new_tokens=5), update_history=False)
     assert len(history) == 1
+
+
+def test_the_models_own_predictions_draft_and_greedy_stays_exact(tiny_lm):
+    recycled = RecycleStore(tiny_lm.vocab_size)
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(request=False, model=recycled))
+    cfg = DecodeConfig(max_new_tokens=40, draft_budget=8, stop_at_eos=False)
+    traces = []
+    for prompt in ([5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8]):
+        res = dec.generate(prompt, cfg, hook=traces.append)
+        assert res.tokens == plain_generate(tiny_lm, prompt, cfg).tokens
+    assert recycled.known > 0
+    assert {"model"} == {s for t in traces for s in t.tree_sources[1:]}
+    assert res.accepted_by_source.get("model", 0) > 0  # the repeated prompt is drafted from what was learned
+    assert res.drafted_by_source["model"] >= res.accepted_by_source["model"]
