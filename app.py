@@ -87,6 +87,11 @@ def build_sidebar(page: Page, defaults: lab.Settings) -> None:
         s["request_store"] = gr.Checkbox(defaults.request_store,
                                          label="Request store: the prompt and the answer so far")
         s["history_store"] = gr.Checkbox(defaults.history_store, label="History store: your earlier answers")
+        s["model_drafts"] = gr.Checkbox(defaults.model_drafts, label="Model's own predictions (recycled tokens)",
+                                        elem_id="model-drafts",
+                                        info="What the model predicted after a token earlier is drafted again. "
+                                             "Learned from your decodes (on top of command-line runs'); never "
+                                             "saved or shared.")
         with gr.Accordion("Your files → your datastore", open=False):
             page.uploads = gr.File(file_count="multiple", label="Text or code files (20 MB in all)",
                                    elem_id="uploads", file_types=UPLOAD_TYPES)

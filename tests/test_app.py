@@ -18,7 +18,9 @@ from types import SimpleNamespace
 import plotly.graph_objects as go
 import pytest
 
+from datastores import DatastoreError, RecycleStore, cache_dir
 from rest_core import app as sup
+from rest_core.app import session as session_module
 from rest_core.traces import figures
 from rest_core.traces.recorder import TraceRecorder
 
@@ -248,6 +250,82 @@ def test_history_store_drafts_from_the_visitors_own_answers(engine, session):
     steps = engine.recorder.load_steps(again.run_id)
     assert engine.recorder.get_run(first.run_id)["output"] == engine.recorder.get_run(again.run_id)["output"]
     assert any("history" in (s["accepted_sources"] or []) for s in steps)
+
+
+# ---------------------------------------------------------------- the model's own predictions (source "model")
+
+MODEL_ONLY = replace(TINY, static=sup.NO_STATIC, request_store=False, history_store=False, model_drafts=True)
+
+
+def node_sources(recorder, run_id) -> set:
+    return {n["source"] for k in range(recorder.step_count(run_id)) for n in recorder.load_step(run_id, k)["nodes"]}
+
+
+def recycle_files():
+    folder = cache_dir() / "recycle"
+    return sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+
+def test_model_source_drafts_and_greedy_output_stays_plain(engine, session, tiny):
+    from rest_core.decode import DecodeConfig, plain_generate
+
+    first = run_turn(engine, session, MODEL_ONLY, PROMPT)[-1]  # the table learns what follows each step's root...
+    final = run_turn(engine, session, MODEL_ONLY, PROMPT)[-1]  # ... and drafts it when those tokens come again
+    assert final.done and not final.notice, final.notice
+    rec = engine.recorder
+    assert rec.get_run(first.run_id)["output"] == rec.get_run(final.run_id)["output"]
+    run, steps = sup.open_run(rec, session, final.run_id)
+    assert "model" in run["stores"] and run["settings"]["model_drafts"] is True
+    assert "model" in node_sources(rec, final.run_id), "some step drafted from the model's own predictions"
+    plain = plain_generate(tiny, PROMPT_IDS, DecodeConfig(max_new_tokens=TINY.max_new_tokens))
+    assert [t for s in steps for t in s["new_tokens"]] == plain.tokens, "greedy output identical to plain"
+    accepted = [s for s in steps if "model" in (s["accepted_sources"] or [])]
+    assert accepted, "the second turn repeats the first: its recycled drafts are accepted"
+    assert f'class="tok model" style="background:{figures.ORIGIN_STYLES["model"][0]}' in final.chat[-1]["content"]
+    text = sup.step_view(rec, run, accepted[0]["step"])["explanation"]
+    assert "the model's own earlier prediction after the same token (recycled)" in text
+    assert "model's own earlier predictions after the last token (recycled) offered" in text
+    assert recycle_files() == [], "a visitor's table is never written"
+
+
+def test_model_source_off_drafts_nothing_from_the_model(engine, session):
+    final = run_turn(engine, session, replace(MODEL_ONLY, model_drafts=False), PROMPT)[-1]
+    run = engine.recorder.get_run(final.run_id)
+    assert final.done and "model" not in run["stores"] and run["settings"]["model_drafts"] is False
+    assert node_sources(engine.recorder, final.run_id) == {""}, "no store: every step is a plain one"
+    assert session.recycled == {}
+    with pytest.raises(DatastoreError, match="No store is switched on"):
+        sup.explore(engine, session, replace(MODEL_ONLY, model_drafts=False), "t5 t6 t7", 8)
+
+
+def test_visitor_tables_start_from_the_persisted_one_and_are_never_saved(engine, session, tiny, monkeypatch):
+    persisted = cache_dir() / "recycle" / "tiny-random.npz"
+    learned = RecycleStore(tiny.vocab_size, path=persisted)
+    learned.table[3] = list(range(10, 18))  # what command-line runs learned after token 3
+    learned.save()
+    before = persisted.read_bytes()
+    monkeypatch.setattr(session_module, "default_recycle_path", lambda name, tok: persisted)
+    mine = session.recycle_store(tiny)
+    assert mine.path is None and mine.table is not learned.table and list(mine.table[3]) == list(range(10, 18))
+    run_turn(engine, session, MODEL_ONLY, PROMPT)
+    run_turn(engine, session, MODEL_ONLY, "t11 t12 t13")
+    assert session.recycle_store(tiny) is mine and mine.known > learned.known, "it learned from this visitor"
+    assert persisted.read_bytes() == before and recycle_files() == [persisted], "nothing written to disk"
+    other = sup.Session(id="visitor-b").recycle_store(tiny)
+    assert (other.table == learned.table).all(), "another visitor starts from the persisted table, not from mine"
+    persisted.write_bytes(b"not a table")  # an unreadable table: the visitor starts empty
+    assert sup.Session(id="visitor-c").recycle_store(tiny).known == 0
+
+
+def test_explorer_shows_the_model_source(engine, session):
+    run_turn(engine, session, MODEL_ONLY, PROMPT)
+    out = sup.explore(engine, session, MODEL_ONLY, PROMPT, 8)
+    assert "**model** (its own earlier predictions):" in out["summary"] and "recycled path" in out["summary"]
+    assert any(row[0] == "model" for row in out["continuations"])
+    names = {d.name for d in out["tree"].data}
+    assert "from the model's own earlier predictions (recycled)" in names
+    fresh = sup.explore(engine, sup.Session(id="visitor-b"), MODEL_ONLY, PROMPT, 8)
+    assert "nothing recycled yet" in fresh["summary"]
 
 
 def test_the_live_page_reads_only_new_steps(engine, session, monkeypatch):

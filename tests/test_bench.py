@@ -17,6 +17,7 @@ from rest_core.bench import (
     SUMMARY_KEYS,
     TRACED,
     BenchPrompt,
+    MethodRunner,
     chat_prompts,
     chi_square,
     load_suite,
@@ -112,6 +113,17 @@ def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
         assert summ[m]["identical"] == same and summ[m]["compared"] == 2
     assert summ["plain"]["identical"] == 2  # fp32: our plain loop is generate()'s greedy output
     assert summ["rest_static"]["identical"] == 2 and summ["rest_full"]["identical"] == 2
+    assert summ["rest_model"]["identical"] == 2
+    # per draft source: sums of the decoders' own counts, in the stores' merge order, in results.md too
+    by_source = data["summary"]["by_source"]
+    assert list(by_source) == ["rest_static", "rest_full", "rest_model"]
+    assert list(by_source["rest_full"]) == ["static", "request", "history", "model"]
+    for m, sources in by_source.items():
+        mine = [r for r in recs if r["method"] == m]
+        assert sum(c["drafted"] for c in sources.values()) == sum(r["draft_tokens"] for r in mine)
+        assert sum(c["accepted"] for c in sources.values()) == sum(r["accepted_drafts"] for r in mine)
+        for src in sources:
+            assert f"| {m} | {src} |" in md
     # summary numbers recomputed from the per-prompt records
     tps = {m: sum(r["new_tokens"] for r in recs if r["method"] == m)
            / sum(r["wall_s"] for r in recs if r["method"] == m) for m in GREEDY_METHODS}
@@ -138,6 +150,97 @@ def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
     pl = [r for r in recs if r["method"] == "hf_prompt_lookup"]
     assert sum(r["draft_tokens"] for r in pl) > 0  # the repeated prompts give generate() something to look up
     assert res["checks"]["plain_vs_hf_ms_per_token_ratio"] > 0
+
+
+def test_rest_model_drafts_from_the_models_own_predictions_only(lm, tmp_path):
+    out = tmp_path / "out"
+    cfg = DecodeConfig(max_new_tokens=12)
+    res = run_benchmark(lm, _prompts(), cfg, ["plain", "rest_model"], None, out, png=False, progress=False)
+    recs = [r for r in res["records"] if r["method"] == "rest_model"]
+    assert len(recs) == 2 and all(r["ok"] and r["sources"] == ["model"] for r in recs)
+    assert {s for r in recs for s in r["drafted_by_source"]} == {"model"}  # p1 repeats a token: drafts follow
+    drafted = sum(r["drafted_by_source"]["model"] for r in recs if r["drafted_by_source"])
+    accepted = sum(r["accepted_by_source"].get("model", 0) for r in recs)
+    assert drafted == sum(r["draft_tokens"] for r in recs) > 0
+    assert accepted == sum(r["accepted_drafts"] for r in recs)
+    data = json.loads((out / "results.json").read_text())
+    assert data["summary"]["by_source"] == {"rest_model": {"model": {
+        "drafted": drafted, "accepted": accepted, "acceptance_rate": pytest.approx(accepted / drafted)}}}
+    assert "| rest_model | model |" in (out / "results.md").read_text()
+    assert "empty" in data["settings"]["model_drafts"]
+    # the model's own drafts change nothing in the output: plain greedy, token for token
+    summ = data["summary"]["methods"]["rest_model"]
+    assert summ["identical"] == summ["compared"] == 2
+    for r in recs:
+        assert r["tokens"] == plain_generate(lm, PROMPTS[r["prompt_index"]], cfg).tokens
+
+
+def test_each_model_source_method_learns_its_own_table_from_empty(lm, store):
+    runner = MethodRunner(lm, store, DecodeConfig(max_new_tokens=12), ["rest_full", "rest_model"])
+    try:
+        tables = dict(runner.model_drafts)
+        assert set(tables) == {"rest_full", "rest_model"} and tables["rest_full"] is not tables["rest_model"]
+        assert all(t.known == 0 for t in tables.values())
+        assert runner.sources("rest_full") == ["static", "request", "history", "model"]
+        assert runner.decoders["rest_model"].stores == [tables["rest_model"]]
+        assert runner.run("rest_model", PROMPTS[1])["ok"]
+        assert tables["rest_model"].known > 0 and tables["rest_full"].known == 0  # each learns from its own passes
+        runner.reset_learned()
+        fresh = runner.model_drafts
+        assert all(fresh[m] is not tables[m] and fresh[m].known == 0 for m in fresh)
+        assert runner.decoders["rest_model"].stores == [fresh["rest_model"]]
+        assert runner.decoders["rest_full"].stores[-1] is fresh["rest_full"]
+        assert runner.decoders["rest_full"].stores[2] is runner.history and len(runner.history) == 0
+    finally:
+        runner.close()
+
+
+def _round_tps(recs: list[dict], method: str, k: int) -> float:
+    """A method's tokens/s over round k: all its new tokens / all its wall time."""
+    mine = [r for r in recs if r["method"] == method and r["round"] == k]
+    return sum(r["new_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+
+
+def test_repeats_run_interleaved_rounds_with_a_per_prompt_median_and_spread(lm, store, tmp_path):
+    out = tmp_path / "out"
+    methods = ["plain", "hf_greedy", "rest_full"]
+    res = run_benchmark(lm, _prompts(), DecodeConfig(max_new_tokens=8), methods, store, out, png=False,
+                        progress=False, repeats=2)
+    recs = res["records"]
+    assert len(recs) == 2 * 2 * len(methods) and {r["round"] for r in recs} == {0, 1}
+    assert len(res["prompts"]) == 2 and res["settings"]["repeats"] == 2
+    for k in range(2):  # every round: every prompt with every method, the order rotating per prompt
+        for i in range(2):
+            mine = sorted((r for r in recs if r["round"] == k and r["prompt_index"] == i), key=lambda r: r["order"])
+            assert [r["method"] for r in mine] == rotated(methods, i)
+    # the greedy identity check ran in every round
+    assert all(r["identical"] is True for r in recs)
+    summ = res["summary"]
+    assert all(summ["methods"][m]["identical"] == summ["methods"][m]["compared"] == 4 for m in methods)
+    # suite figures: the median over rounds of each round's figure; speedup over the baseline in the same round
+    base = summ["baseline"]
+    assert base in ("plain", "hf_greedy")
+    for m in methods:
+        ups = [_round_tps(recs, m, k) / _round_tps(recs, base, k) for k in range(2)]
+        s = summ["methods"][m]
+        assert s["tokens_per_s"] == pytest.approx(np.median([_round_tps(recs, m, k) for k in range(2)]))
+        assert s["speedup"] == pytest.approx(np.median(ups))
+        assert (s["speedup_min"], s["speedup_max"]) == (pytest.approx(min(ups)), pytest.approx(max(ups)))
+    # per prompt: rest_full over the baseline in each round, median and spread
+    pp = summ["per_prompt"]
+    assert pp["method"] == "rest_full" and pp["baseline"] == base
+    assert [e["prompt"] for e in pp["prompts"]] == ["p0", "p1"]
+    for e in pp["prompts"]:
+        tps = {(r["method"], r["round"]): r["tokens_per_s"] for r in recs if r["prompt"] == e["prompt"]}
+        ratios = [tps["rest_full", k] / tps[base, k] for k in range(2)]
+        assert e["ratios"] == pytest.approx(ratios) and e["median"] == pytest.approx(np.median(ratios))
+        assert (e["min"], e["max"]) == (pytest.approx(min(ratios)), pytest.approx(max(ratios)))
+    md = (out / "results.md").read_text()
+    assert "2 rounds" in md and f"| prompt | rest_full / {base} tokens/s, median | min–max | rounds |" in md
+    assert "| p0 |" in md and "| p1 |" in md
+    with pytest.raises(ValueError, match="repeats"):
+        run_benchmark(lm, _prompts(), DecodeConfig(max_new_tokens=4), ["plain"], None, None, png=False,
+                      progress=False, repeats=0)
 
 
 def test_a_failing_prompt_is_recorded_and_the_run_goes_on(lm, store, tmp_path):
@@ -212,6 +315,9 @@ def test_suites_and_the_command_line():
     args = _parser().parse_args(["bench", "--suite", "chat", "--limit", "2", "--max-new-tokens", "16",
                                  "--methods", "plain", "rest_full"])
     assert args.func.__name__ == "run_bench" and args.limit == 2 and args.methods == ["plain", "rest_full"]
+    assert args.repeats == 1
+    args = _parser().parse_args(["bench", "--suite", "humaneval", "--repeats", "3", "--methods", "rest_model"])
+    assert args.repeats == 3 and args.methods == ["rest_model"]
 
 
 def test_outputs_are_identical_only_when_equal_token_for_token_cut_at_eos():

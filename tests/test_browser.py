@@ -184,3 +184,13 @@ def test_empty_prompt_shows_a_message(page):
     page.click("#prompt button.submit-button")
     page.locator("#notice").get_by_text("prompt is empty").wait_for(timeout=60_000)
     page.screenshot(path=str(SHOTS / "empty-prompt.png"), full_page=False)
+
+
+def test_model_source_has_a_switch_and_a_legend_key(page):
+    switch = page.get_by_label("Model's own predictions (recycled tokens)")
+    assert switch.is_checked(), "on by default"
+    assert "model's own prediction (recycled)" in page.inner_text(".origin-legend")
+    assert "bonus token" in page.inner_text(".origin-legend")
+    switch.uncheck()
+    assert not switch.is_checked()
+    switch.check()

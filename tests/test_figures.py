@@ -14,7 +14,7 @@ from test_recorder import VOCAB, FakeTokenizer, make_trace, record_run, tree_mas
 
 from rest_core.phases import PHASES
 from rest_core.trace import Branch, StepTrace
-from rest_core.traces import figures
+from rest_core.traces import figures, palette
 from rest_core.traces.cli import main as traces_main
 from rest_core.traces.palette import FALLBACK_COLOURS, tint
 from rest_core.traces.recorder import TraceRecorder
@@ -170,11 +170,40 @@ def test_origin_text_html(rec):
     t1.new_tokens, t1.bonus_token, t1.accepted_nodes = [WORD[" <b>"]], WORD[" <b>"], [0]  # nothing accepted
     t1.model_choices[0] = WORD[" <b>"]
     steps = rec.load_steps(record_run(rec, [t0, t1]))
-    assert figures.token_origins(steps) == [(0, "static", " cat"), (0, "model", " on"), (1, "model", " <b>")]
+    assert figures.token_origins(steps) == [(0, "static", " cat"), (0, "bonus", " on"), (1, "bonus", " <b>")]
     page = figures.origin_text_html(steps, prompt="the")
-    assert '<span class="tok static"' in page and page.count('class="tok model"') == 2
+    assert '<span class="tok static"' in page and page.count('class="tok bonus"') == 2
     assert "&lt;b&gt;" in page and " <b>" not in page  # token text is escaped
     assert "from the model (bonus token): 2 (67%)" in page and "static store: 1 (33%)" in page
+
+
+def test_an_accepted_recycled_draft_is_tinted_as_the_model_source_not_as_a_bonus(rec):
+    t = known_step()
+    t.tree_sources = ["", "model", "request", "model", "history"]  # ' cat' drafted from the model's own predictions
+    run_id = record_run(rec, [t])
+    steps = rec.load_steps(run_id)
+    assert steps[0]["accepted_sources"] == ["model"]
+    assert figures.token_origins(steps) == [(0, "model", " cat"), (0, "bonus", " on")]
+    drafted, bonus = figures.ORIGIN_STYLES["model"], figures.ORIGIN_STYLES["bonus"]
+    assert drafted[1] == "accepted draft, model's own prediction (recycled)"
+    assert drafted[0] != bonus[0] and drafted[0] == tint(figures.source_color("model"), 0.5)
+    spans = figures.origin_spans(steps)
+    assert f'<span class="tok model" style="background:{drafted[0]};' in spans
+    assert f'<span class="tok bonus" style="background:{bonus[0]};' in spans
+    assert f'title="step 0: {html.escape(drafted[1])}"' in spans
+    # the model source's own colour: fixed, colour-blind safe, unlike every other source's and the bonus token's
+    others = [figures.source_color(s) for s in ("static", "request", "history", "")] + [palette.BONUS]
+    assert figures.source_color("model") == palette.YELLOW and palette.YELLOW not in others
+    assert palette.YELLOW not in FALLBACK_COLOURS
+    page = figures.origin_text_html(steps)
+    assert "accepted draft, model&#x27;s own prediction (recycled): 1 (50%)" in page
+    assert "from the model (bonus token): 1 (50%)" in page
+    fig = figures.draft_tree_figure(rec.load_step(run_id, 0))
+    model_nodes = next(d for d in node_traces(fig) if d.name == "drafted by model")
+    assert model_nodes.marker.color == palette.YELLOW and list(model_nodes.customdata) == [1, 3]
+    assert all("model's own earlier prediction" in h for h in model_nodes.hovertext)
+    star = next(d for d in fig.data if d.name.startswith("bonus"))
+    assert star.marker.color == palette.BONUS
 
 
 def test_figures_of_a_run_without_steps():

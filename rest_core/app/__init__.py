@@ -5,7 +5,8 @@ Public face:
 * `Engine` (engine) -- models, built-in stores, cost models and the trace store shared by
   every visitor; one decode at a time per model.
 * `Session` (session) -- one visitor's folder, uploads and the store built from them, chat,
-  past answers and runs; `save_uploads`, `build_upload_store`, `prune_sessions`.
+  past answers, their table of the model's own predictions (source "model", never saved) and
+  runs; `save_uploads`, `build_upload_store`, `prune_sessions`.
 * `Settings` (settings) -- every control of the page, by name; limits and `message_of`.
 * `chat_turn`, `race` (live) -- a decode as a stream of `View`s, redrawn from the recorded steps.
 * `step_view`, `explain_step`, `run_table` (replay) -- recorded runs replayed without the model.

@@ -3,7 +3,8 @@
 `prepare` turns the page's settings and prompt into a model, a prompt and a decoder;
 `rest_work` and `plain_work` are what a worker thread runs (see streaming), holding
 the model's lock; after a REST decode the app saves what it owns (the cost model's
-acceptance counts; a visitor's history stays in memory, in their session).
+acceptance counts; a visitor's history and table of the model's own predictions stay in
+memory, in their session, and are never saved).
 """
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def make_decoder(engine: Engine, slot: ModelSlot, session: Session, settings: Se
     """The decoder over the stores the settings switch on (and a notice for the page)."""
     static, notice = static_store_for(engine, slot, session, settings)
     history = session.history_store(slot.lm.name, cfg) if settings.history_store else None
-    stores = assemble_stores(static=static, request=settings.request_store, history=history,
+    model = session.recycle_store(slot.lm) if settings.model_drafts else None
+    stores = assemble_stores(static=static, request=settings.request_store, history=history, model=model,
                              n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
     chooser = slot.chooser(stores) if cfg.draft_budget is None else None
     return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser), notice

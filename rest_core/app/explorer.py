@@ -1,10 +1,13 @@
 """The datastore explorer: the longest suffix of a context each store holds, what followed it
-there, and the draft tree REST would build from it, without running the model."""
+there, and the draft tree REST would build from it, without running the model (the "model"
+source answers from the visitor's table of the model's earlier predictions)."""
 from __future__ import annotations
 
 from collections import Counter
 
-from datastores import DatastoreError, assemble_stores
+import numpy as np
+
+from datastores import DatastoreError, Lookup, assemble_stores
 from rest_core.app.decoding import static_store_for
 from rest_core.app.engine import Engine
 from rest_core.app.panels import panel
@@ -32,6 +35,17 @@ def _tree_figure(tree: DraftTree, texts: TokenTexts):
     return panel(figures.continuation_tree_figure(nodes), max(400, 26 * leaves + 180))
 
 
+def _found(lk: Lookup) -> str:
+    """What one store found, for the summary line."""
+    if lk.source != "model":
+        return (f"**{lk.source}**: longest suffix {_plural(lk.matched_len, 'token')}, "
+                f"{_plural(lk.total_matches, 'occurrence')}")
+    if not lk.matched_len:
+        return "**model** (its own earlier predictions): nothing recycled yet after the last token"
+    paths = len(np.unique(lk.continuations, axis=0))  # rows repeat in proportion to their chance
+    return f"**model** (its own earlier predictions): {_plural(paths, 'recycled path')} after the last token"
+
+
 def explore(engine: Engine, session: Session, settings: Settings, context: str, budget: int) -> dict:
     """The longest suffix of `context` each chosen store holds, and the tree it would draft."""
     if not (context or "").strip():
@@ -43,9 +57,10 @@ def explore(engine: Engine, session: Session, settings: Settings, context: str, 
     static, notice = static_store_for(engine, slot, session, settings)
     history = (session.history_store(slot.lm.name, DecodeConfig(retrieve=rs)) if settings.history_store
                else None)
+    model = session.recycle_store(slot.lm) if settings.model_drafts else None
     # the request store holds the context itself (its newest token has nothing after it)
     stores = assemble_stores(static=static, request=settings.request_store and len(ids) > 1, history=history,
-                             n_max=rs.n_max, n_min=rs.n_min)
+                             model=model, n_max=rs.n_max, n_min=rs.n_min)
     if not stores:
         raise DatastoreError("No store is switched on: choose a datastore or turn on the request store.")
     for store in stores:  # each store sees the context as it would at a decode's first step
@@ -60,8 +75,7 @@ def explore(engine: Engine, session: Session, settings: Settings, context: str, 
         listed[b.source] += 1
         if listed[b.source] <= ROWS_PER_STORE:
             rows.append([b.source, figures.show_token(texts.join(list(b.tokens))), b.count])
-    summary = " · ".join(f"**{lk.source}**: longest suffix {_plural(lk.matched_len, 'token')}, "
-                         f"{_plural(lk.total_matches, 'occurrence')}" for lk in lookups)
+    summary = " · ".join(_found(lk) for lk in lookups)
     summary += f" · draft tree: **{tree.draft_size}** tokens (budget {int(budget)})"
     if notice:
         summary += "\n\n" + notice

@@ -17,6 +17,7 @@ from rest_core.traces.runs import RUN_COLUMNS
 RUN_TABLE_HEADERS = [header for header, _ in RUN_COLUMNS]
 BRANCH_HEADERS = ["store", "continuation", "count"]
 CHOICE_HEADERS = ["node", "depth", "draft token", "drafted by", "score", "model's next token", "accepted"]
+MODEL_NODE = "the model's own earlier prediction after the same token (recycled)"  # a "model" node, in words
 NO_RUN = "Choose a run first (decode something in the Chat or Race tab to record one)."
 
 
@@ -102,21 +103,34 @@ class TextsOfRun(dict):
         return f"⟨{token_id}⟩"
 
 
+def _found_by(source: str, matched: int, offered: int, distinct: int) -> str:
+    """What one store found for a step's suffix, in words."""
+    if source == "model":
+        return ("the model had made no prediction after the last token yet, so it had nothing to recycle"
+                if not matched else f"the model's own earlier predictions after the last token (recycled) "
+                                    f"offered {distinct} path{'s' if distinct != 1 else ''}")
+    if not matched:
+        return f"the {source} store found no match"
+    return (f"the {source} store matched the last {matched} tokens and offered {offered} continuation"
+            f"{'s' if offered != 1 else ''} ({distinct} distinct)")
+
+
 def _lookup_sentence(step: dict) -> str:
     """What each store found for the step's suffix, in the order the stores were searched."""
     found: dict[str, list[dict]] = {}
     for b in step["branches"]:
         found.setdefault(b["source"], []).append(b)
-    parts = []
-    for source, m in (step.get("matched_len") or {}).items():
-        if not m:
-            parts.append(f"the {source} store found no match")
-            continue
-        total = sum(b["count"] for b in found.get(source, []))
-        parts.append(f"the {source} store matched the last {m} tokens and offered {total} continuation"
-                     f"{'s' if total != 1 else ''} ({len(found.get(source, []))} distinct)")
+    parts = [_found_by(source, m, sum(b["count"] for b in found.get(source, [])), len(found.get(source, [])))
+             for source, m in (step.get("matched_len") or {}).items()]
     text = ("; ".join(parts) + ".") if parts else "No store was searched."
     return text[0].upper() + text[1:]
+
+
+def _drafted_by(sources: list) -> str:
+    """Who drafted the accepted tokens, in words ("the static store", "the model's own earlier prediction ...")."""
+    names = sorted(set(sources))
+    words = [MODEL_NODE if s == "model" else f"the {s} store" for s in names]
+    return " and ".join(words) if words else "the stores"
 
 
 def _tree_sentence(step: dict, run: dict) -> str:
@@ -132,9 +146,9 @@ def _tree_sentence(step: dict, run: dict) -> str:
     accepted = [n for n in nodes if n["accepted"]][1:]
     path = "".join(n["token_text"] for n in accepted)
     _, offered, model_text = figures.disagreement(step)
-    origin = ", ".join(sorted(set(step.get("accepted_sources") or [])))
     agree = (f"The model agreed with the first {len(accepted)} drafted token"
-             f"{'s' if len(accepted) != 1 else ''} (“{token_html(path)}”, drafted by the {origin} store)"
+             f"{'s' if len(accepted) != 1 else ''} (“{token_html(path)}”, drafted by "
+             f"{_drafted_by(step.get('accepted_sources') or [])})"
              if accepted else "The model agreed with none of the drafted tokens")
     stop = (f"then, where the draft offered {', '.join('“' + token_html(t) + '”' for t in offered)}, it chose "
             f"“{token_html(model_text)}” instead" if offered else
@@ -164,8 +178,9 @@ def suffix_html(step: dict, texts: dict) -> str:
         matched = f"background:color-mix(in srgb, {colour} 20%, transparent);border-bottom:3px solid {colour}"
         spans = "".join(f'<span class="q" style="{matched if i >= len(cells) - m else "opacity:.35"}">{c}</span>'
                         for i, c in enumerate(cells))
-        rows.append(f'<div class="suffix-row"><b>{html.escape(source)}</b> matched {m} token{"s" if m != 1 else ""}'
-                    f" {spans}</div>")
+        what = (("recycled its predictions after the last token" if m else "has no prediction to recycle yet")
+                if source == "model" else f'matched {m} token{"s" if m != 1 else ""}')
+        rows.append(f'<div class="suffix-row"><b>{html.escape(source)}</b> {what} {spans}</div>')
     return f'<div class="suffix">{"".join(rows)}</div>'
 
 

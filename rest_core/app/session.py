@@ -1,5 +1,6 @@
 """One visitor's own things: their folder of uploads and the store built from it, the chat so
-far, their past answers (the history store drafts from them) and the runs they recorded.
+far, their past answers (the history store drafts from them), their table of the model's own
+predictions (the "model" source) and the runs they recorded.
 
 Folders live under the cache folder (REST_LAB_CACHE), in app-sessions/<session id>; a
 visitor's folder goes when their session ends, and `prune_sessions` removes any a previous
@@ -15,10 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from datastores import DatastoreError, HistoryStore, TokenDatastore, build_datastore, cache_dir, iter_documents
+from datastores import (
+    DatastoreError,
+    HistoryStore,
+    RecycleStore,
+    TokenDatastore,
+    build_datastore,
+    cache_dir,
+    default_recycle_path,
+    iter_documents,
+)
 from rest_core.app.engine import ModelSlot
 from rest_core.app.settings import MAX_UPLOAD_BYTES, MAX_UPLOAD_FILES, UPLOADED, UploadError, log
 from rest_core.decode import DecodeConfig
+from rest_core.model import LoadedModel
 
 HISTORY_TOKENS = 200_000  # a visitor's history store keeps at most this many tokens of past answers
 
@@ -35,6 +46,7 @@ class Session:
     chat: list[dict] = field(default_factory=list)  # what the chatbot shows
     history: list[dict] = field(default_factory=list)  # the same turns as plain text (for the chat template)
     answers: dict[str, list[list[int]]] = field(default_factory=dict)  # model -> this visitor's past answers
+    recycled: dict[str, RecycleStore] = field(default_factory=dict)  # model -> this visitor's successor table
     upload_files: list[str] = field(default_factory=list)
     upload_model: Optional[str] = None  # the model whose tokenizer built the upload store
     run_ids: list[int] = field(default_factory=list)
@@ -68,6 +80,24 @@ class Session:
         store = HistoryStore(n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min, max_tokens=HISTORY_TOKENS)
         for answer in self.answers.get(model, []):
             store.add(answer)
+        return store
+
+    def recycle_store(self, lm: LoadedModel) -> RecycleStore:
+        """This visitor's table of the model's own predictions (source "model"), one per model.
+
+        It starts as a copy of the table command-line and benchmark runs keep for this model (when
+        there is one that fits) and learns from this visitor's decodes only; it is never saved, so a
+        visitor's drafts never come from another visitor's text."""
+        store = self.recycled.get(lm.name)
+        if store is None:
+            store = RecycleStore(lm.vocab_size)  # no path: nothing is ever written
+            try:
+                path = default_recycle_path(lm.name, lm.tokenizer)
+                if path.is_file():
+                    store.load(path)
+            except (DatastoreError, OSError) as err:  # a missing or unreadable table: start empty
+                log.info("session %s: starting the model's own predictions empty (%s)", self.id, err)
+            self.recycled[lm.name] = store
         return store
 
     def remember(self, model: str, tokens: list[int]) -> None:

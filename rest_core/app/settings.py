@@ -51,6 +51,7 @@ class Settings:
     static: str = BUILT_IN
     request_store: bool = True
     history_store: bool = False
+    model_drafts: bool = True  # the model's own predictions (recycled tokens), learned per visitor
     max_new_tokens: int = 96
     decoding: str = "greedy"  # greedy | sampling
     temperature: float = 0.7
@@ -83,7 +84,8 @@ class Settings:
     def record(self, owner: str) -> dict:
         """What a recorded run keeps about how it was made (owner: the session that made it)."""
         return {**self.decode_config().settings(), "chat": self.mode == "chat", "static": self.static,
-                "request_store": self.request_store, "history_store": self.history_store, "app_session": owner}
+                "request_store": self.request_store, "history_store": self.history_store,
+                "model_drafts": self.model_drafts, "app_session": owner}
 
 
 SETTING_NAMES = tuple(f.name for f in fields(Settings))

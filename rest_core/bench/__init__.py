@@ -1,11 +1,12 @@
 """The benchmark: REST against plain decoding and Hugging Face generate(), measured (`python -m rest_core bench`).
 
 Public face: `run_benchmark(lm, prompts, cfg, methods, static_store, out_dir, ...)` runs every method on
-every prompt and writes results.json / results.md / chart.html; `MethodRunner` runs one method on one
-prompt; `GREEDY_METHODS` / `SAMPLING_METHODS` name the methods; `load_suite` / `BenchPrompt` give the
-prompts; `run_retrieval` times store lookups against store size; `add_bench_parser` / `run_bench` are
-the command line.  Modules: methods (the methods, measured), runner (the run), stats (numbers from the
-records), report (machine, Markdown, charts), retrieval, suites, cli.
+every prompt (`repeats` interleaved rounds) and writes results.json / results.md / chart.html;
+`MethodRunner` runs one method on one prompt; `GREEDY_METHODS` / `SAMPLING_METHODS` name the methods;
+`load_suite` / `BenchPrompt` give the prompts; `run_retrieval` times store lookups against store size;
+`add_bench_parser` / `run_bench` are the command line.  Modules: methods (the methods, measured),
+runner (the run), stats (numbers from the records), report (machine, Markdown, charts), retrieval,
+suites, cli.
 """
 from rest_core.bench.cli import add_bench_parser, run_bench
 from rest_core.bench.methods import GREEDY_METHODS, SAMPLING_METHODS, TRACED, ForwardLog, MethodRunner

@@ -35,7 +35,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--retrieval", action="store_true", help="the store lookup micro-benchmark (= --suite retrieval)")
     g.add_argument("--limit", type=int, default=None, help="first N prompts only")
     g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED,),
-                   help="default: all (greedy) or plain rest_static rest_full (sampling)")
+                   help="default: all (greedy) or plain rest_static rest_full rest_model (sampling)")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="run every method on every prompt N rounds, interleaved; speed figures are medians over "
+                        "rounds, with the spread, and a per-prompt table is added")
     g.add_argument("--out", default=None, help="output folder (default bench_out/<suite>-<timestamp>)")
     g.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for generate()")
     g.add_argument("--chi2-prompts", type=int, default=1, help="prompts for the first-token chi-square (sampling)")
@@ -73,7 +76,7 @@ def run_bench(args: argparse.Namespace) -> int:
     results = run_benchmark(lm, prompts, cfg, args.methods, static, out, suite=suite, datastore=args.datastore,
                             command=_command_line(), prompt_lookup_tokens=args.prompt_lookup_tokens,
                             chi2_prompts=args.chi2_prompts, chi2_seeds=args.chi2_seeds, png=not args.no_png,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, repeats=args.repeats)
     print(markdown(results))
     print(f"results in {out}/ (results.json, results.md, chart.html"
           f"{', chart.png' if (out / 'chart.png').exists() else ''})")

@@ -8,9 +8,15 @@ Methods
   hf_greedy         transformers generate(do_sample=False): the reference output
   hf_prompt_lookup  transformers generate(prompt_lookup_num_tokens=10)
   rest_static       REST with the static store only (the paper's method)
-  rest_full         static + request + history stores; the history is in memory
+  rest_full         static + request + history + model stores; the history is in memory
                     and holds this run's earlier answers of rest_full (empty at first)
+  rest_model        the model's own predictions only (recycled tokens, source "model")
   rest_static_traced  (opt-in) rest_static with every step recorded to SQLite
+
+Each method with the model source (rest_full, rest_model) has its own in-memory table of
+the model's predictions (`RecycleStore`), empty at first, that learns from every forward
+pass of that method over the run's prompts, like rest_full's history.  `reset_learned`
+empties the history and the tables (the runner calls it before every round).
 """
 from __future__ import annotations
 
@@ -22,19 +28,20 @@ from pathlib import Path
 
 import torch
 
-from datastores import HistoryStore, Store, assemble_stores, store_labels
+from datastores import HistoryStore, RecycleStore, Store, assemble_stores, store_labels
 from rest_core.compare import cut_at_eos
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, DecodeResult, RestDecoder, check_prompt, plain_generate
 from rest_core.model import LoadedModel
 from rest_core.traces.recorder import TraceRecorder
 
-GREEDY_METHODS = ("plain", "hf_greedy", "hf_prompt_lookup", "rest_static", "rest_full")
-SAMPLING_METHODS = ("plain", "rest_static", "rest_full")
+GREEDY_METHODS = ("plain", "hf_greedy", "hf_prompt_lookup", "rest_static", "rest_full", "rest_model")
+SAMPLING_METHODS = ("plain", "rest_static", "rest_full", "rest_model")
 # opt-in: rest_static with every step recorded to SQLite, to measure the recorder's overhead
 TRACED = "rest_static_traced"
-SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full")
-REST_METHODS = ("rest_static", "rest_full", TRACED)
+SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model")
+REST_METHODS = ("rest_static", "rest_full", "rest_model", TRACED)
+MODEL_SOURCE_METHODS = ("rest_full", "rest_model")  # each gets its own table of the model's predictions
 
 
 class ForwardLog:
@@ -80,25 +87,49 @@ class MethodRunner:
         self.eos = lm.eos_token_ids
         self.prompt_lookup_tokens = prompt_lookup_tokens
         self.cost_model = CostModel.for_model(lm)  # the calibrated curve, for the relative verify cost
+        self.static_store = static_store
         self.history: HistoryStore | None = None
+        self.model_drafts: dict[str, RecycleStore] = {}  # method -> its own table of the model's predictions
         self.trace_dir: Path | None = None
         self.recorder: TraceRecorder | None = None
         if TRACED in self.methods:
             self.trace_dir = Path(tempfile.mkdtemp(prefix="rest-bench-trace-"))
             self.recorder = TraceRecorder(self.trace_dir / "trace.sqlite")
-        if "rest_full" in self.methods:
-            self.history = HistoryStore(path=None, n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
-        self.decoders = {m: self._decoder(m, static_store) for m in self.methods if m in REST_METHODS}
+        self._fresh_learned_stores()
+        self.decoders = {m: self._decoder(m) for m in self.methods if m in REST_METHODS}
         self.log = ForwardLog(lm.model, lm.device)
 
-    def _decoder(self, method: str, static_store: Store | None) -> RestDecoder:
-        """rest_static (and its traced twin): the static store only; rest_full: static, request and history."""
+    def _fresh_learned_stores(self) -> None:
+        """New, empty stores that learn during the run: rest_full's history, one model table per method."""
+        if "rest_full" in self.methods:
+            self.history = HistoryStore(path=None, n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
+        self.model_drafts = {m: RecycleStore(self.lm.vocab_size) for m in MODEL_SOURCE_METHODS if m in self.methods}
+
+    def _stores(self, method: str) -> list[Store]:
+        """rest_static (and its traced twin): static only; rest_full: static, request, history and model;
+        rest_model: model only."""
         full = method == "rest_full"
-        stores = assemble_stores(static=static_store, request=full, history=self.history if full else None,
-                                 n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
+        return assemble_stores(static=None if method == "rest_model" else self.static_store, request=full,
+                               history=self.history if full else None, model=self.model_drafts.get(method),
+                               n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
+
+    def _decoder(self, method: str) -> RestDecoder:
+        stores = self._stores(method)
         auto = self.cfg.draft_budget is None  # a fixed budget needs no chooser
         return RestDecoder(self.lm, stores=stores,
                            budget_chooser=CostModel.for_model(self.lm, stores=stores) if auto else None)
+
+    def reset_learned(self) -> None:
+        """Empty the history and the model tables: what follows starts from nothing learned, as the run did.
+
+        The budget choosers keep their acceptance counts (they are the cost model's, kept on disk)."""
+        self._fresh_learned_stores()
+        for m, decoder in self.decoders.items():
+            decoder.stores = self._stores(m)
+
+    def sources(self, method: str) -> list[str]:
+        """The draft sources of a REST method's stores, in merge order (none for the others)."""
+        return [s.source for s in self.decoders[method].stores] if method in self.decoders else []
 
     def close(self) -> None:
         self.log.close()
@@ -156,6 +187,8 @@ class MethodRunner:
                    accepted_drafts=res.accepted_drafts if speculative else 0,
                    draft_tokens=res.draft_tokens if speculative else 0,
                    no_draft_steps=res.no_draft_steps if speculative else res.steps,
+                   sources=self.sources(method), drafted_by_source=dict(res.drafted_by_source),
+                   accepted_by_source=dict(res.accepted_by_source),
                    retrieve_ms=[round(x, 4) for x in res.retrieve_ms], budgets=list(res.budgets),
                    phase_ms={k: round(v, 3) for k, v in res.phase_ms.items()},
                    log_consistent=len(calls) == res.steps + (len(prompt) > 1))
@@ -194,7 +227,7 @@ class MethodRunner:
                    stop_reason="eos" if new and new[-1] in self.eos and cfg.stop_at_eos else "length",
                    accepted_drafts=max(0, len(new) - len(calls)), draft_tokens=int(sum(drafts)),
                    no_draft_steps=int(sum(d == 0 for d in drafts)), retrieve_ms=[], budgets=[], phase_ms={},
-                   log_consistent=bool(calls))
+                   sources=[], drafted_by_source={}, accepted_by_source={}, log_consistent=bool(calls))
         return rec
 
     @staticmethod

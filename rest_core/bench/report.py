@@ -91,14 +91,23 @@ def fmt(x: float | None, spec: str = ".2f", none: str = "–") -> str:
     return none if x is None else format(x, spec)
 
 
+def _speedup_cell(s: dict, rounds: int) -> str:
+    """'1.23×', and with several rounds the spread: '1.23× (1.20–1.25)'."""
+    if s["speedup"] is None:
+        return "–"
+    spread = f" ({s['speedup_min']:.2f}–{s['speedup_max']:.2f})" if rounds > 1 else ""
+    return f"{s['speedup']:.2f}×{spread}"
+
+
 def _table(summ: dict) -> list[str]:
-    head = ["method", "tokens/s", "speedup", "ms/token", "accepted/pass", "acceptance", "no-draft steps",
-            "retrieve p50/p99 ms", "verify cost (model)", "fwd ms/step", "fwd cost (measured)", "mean budget",
-            f"same as {summ['reference']}", "failed"]
+    rounds = len(summ.get("rounds", ())) or 1
+    head = ["method", "tokens/s", "speedup" + (" (min–max)" if rounds > 1 else ""), "ms/token", "accepted/pass",
+            "acceptance", "no-draft steps", "retrieve p50/p99 ms", "verify cost (model)", "fwd ms/step",
+            "fwd cost (measured)", "mean budget", f"same as {summ['reference']}", "failed"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m, s in summ["methods"].items():
         ret = "–" if s["retrieve_ms_p50"] is None else f"{s['retrieve_ms_p50']:.2f} / {s['retrieve_ms_p99']:.2f}"
-        row = [m, fmt(s["tokens_per_s"]), fmt(s["speedup"], ".2f") + ("×" if s["speedup"] is not None else ""),
+        row = [m, fmt(s["tokens_per_s"]), _speedup_cell(s, rounds),
                fmt(s["ms_per_token"], ".1f"), fmt(s["mean_accepted"]), fmt(s["acceptance_rate"], ".1%"),
                fmt(s["no_draft_share"], ".1%"), ret, fmt(s["verify_cost_rel_model"]),
                fmt(s["forward_ms_per_step"], ".1f"), fmt(s["verify_cost_rel_measured"]), fmt(s["mean_budget"], ".1f"),
@@ -107,27 +116,69 @@ def _table(summ: dict) -> list[str]:
     return lines
 
 
+def _source_table(by_source: dict) -> list[str]:
+    """Per REST method and draft source: draft nodes sent, committed draft tokens, acceptance."""
+    if not by_source:
+        return []
+    lines = ["| method | draft source | draft nodes sent | committed draft tokens | acceptance |",
+             "|---|---|---|---|---|"]
+    for m, sources in by_source.items():
+        for src, c in sources.items():
+            lines.append(f"| {m} | {src} | {c['drafted']:,} | {c['accepted']:,} | {fmt(c['acceptance_rate'], '.1%')} |")
+    return lines + [""]
+
+
+def _per_prompt_table(pp: dict | None, rounds: int) -> list[str]:
+    """Per prompt: rest_full's tokens/s over the baseline's, median and min–max over rounds (several rounds only)."""
+    if not pp or rounds < 2:
+        return []
+    lines = [f"| prompt | {pp['method']} / {pp['baseline']} tokens/s, median | min–max | rounds |", "|---|---|---|---|"]
+    for e in pp["prompts"]:
+        spread = "–" if e["min"] is None else f"{e['min']:.2f}–{e['max']:.2f}"
+        lines.append(f"| {e['prompt']} | {fmt(e['median'])} | {spread} | "
+                     f"{sum(x is not None for x in e['ratios'])}/{len(e['ratios'])} |")
+    return lines + [""]
+
+
+def _speed_note(summ: dict, rounds: int) -> str:
+    if rounds < 2:
+        return (f"Speedup is over the faster of the baselines ({summ['baseline']}); tokens/s = all new tokens / all "
+                "wall time (prefill included) over the prompts a method completed.")
+    return (f"{rounds} rounds. Tokens/s, ms/token and speedup are the median over rounds of each round's suite figure "
+            "(tokens/s = all new tokens / all wall time of that round, prefill included, over the prompts the method "
+            f"completed; speedup = that over the tokens/s of the baseline, {summ['baseline']}, the faster baseline by "
+            "median, in the same round), with the min–max over rounds in brackets. Every other column pools the "
+            "records of all rounds; 'same as' counts every round. Per prompt: the method's tokens/s over the "
+            "baseline's on that prompt in each round; median and min–max over the rounds where both completed.")
+
+
 def _method_notes(summ: dict, greedy: bool) -> list[str]:
-    return [(f"Speedup is over the faster of the baselines ({summ['baseline']}); tokens/s = all new tokens / all "
-             "wall time (prefill included) over the prompts a method completed."),
+    rounds = len(summ.get("rounds", ())) or 1
+    return [_speed_note(summ, rounds),
             "Accepted/pass = new tokens per forward pass (ours: prefill not counted; generate(): its first call "
             "runs the prompt and yields the first token)."
             + (" HF prompt-lookup drafts are read from the query sizes of its forward calls." if greedy else ""),
             ("Verify cost (model) = mean calibrated cost of the step's query size relative to a one-token pass; "
              "measured = mean forward ms per step / plain's forward ms per step."),
             ("rest_full's history store is in memory and starts empty: it holds this run's earlier rest_full "
-             "answers only."),
+             "answers only." + (" It is emptied at the start of every round." if rounds > 1 else "")),
+            ("The model's own predictions (source 'model', rest_full and rest_model) are in memory, one table per "
+             "method, and start empty: each learns from its own method's forward passes over this run's prompts."
+             + (" They are emptied at the start of every round." if rounds > 1 else "")),
+            ("Draft sources: draft nodes sent to the model and committed draft tokens per source, summed over "
+             "prompts" + (" and rounds" if rounds > 1 else "") + "; acceptance = committed / sent."),
             "Methods ran interleaved prompt by prompt, the order rotating per prompt, after one untimed warm-up."]
 
 
-def _check_notes(ch: dict) -> list[str]:
+def _check_notes(ch: dict, rounds: int = 1) -> list[str]:
     notes = []
     if ch.get("plain_vs_hf_ms_per_token_ratio") is not None:
         notes.append(f"Plain loop vs generate(): {ch['plain_vs_hf_ms_per_token_ratio']:.3f}× the time per token "
                      + ("(within 5%)." if ch["plain_within_5pct_of_hf"] else f"— FLAG: {ch['plain_vs_hf_flag']}."))
     for d in ch.get("differences", []):
         gap = f", logit gap {d['logit_gap']:.4g}" if d.get("logit_gap") is not None else ""
-        notes.append(f"{d['method']} differs from {d['reference']} on {d['prompt']} at token "
+        where = f" (round {d.get('round', 0) + 1})" if rounds > 1 else ""
+        notes.append(f"{d['method']} differs from {d['reference']} on {d['prompt']}{where} at token "
                      f"{d.get('first_difference')}{gap}.")
     if ch.get("errors"):
         notes.append(f"{len(ch['errors'])} failed runs (see results.json), e.g. {ch['errors'][0]['method']} on "
@@ -163,15 +214,17 @@ def markdown(results: dict) -> str:
     st, mc, summ = results["settings"], results["machine"], results["summary"]
     greedy = st["mode"] == "greedy"
     gpu = f" ({mc['gpu']})" if mc.get("gpu") else ""
+    rounds = st.get("repeats", 1)
     lines = [(f"# REST Lab benchmark: {st['suite']} ({st['mode']}, {st['prompts']} prompts, "
-              f"max {st['max_new_tokens']} new tokens)"), "",
+              f"max {st['max_new_tokens']} new tokens{f', {rounds} rounds' if rounds > 1 else ''})"), "",
              (f"Machine: {cpu_line(mc)}, {mc['cores']} cores ({mc['usable_cores']} usable), torch threads "
               f"{mc['torch_threads']}, device {mc['device']}{gpu}, {mc['dtype']}; torch {mc['torch']}, transformers "
               f"{mc['transformers']}; model {mc['model']}; load average {mc.get('loadavg_start')} at start, "
               f"{mc.get('loadavg_end')} at end."), "",
              f"Command: `{results.get('command') or '(library call)'}`", "",
-             *_table(summ), ""]
-    notes = _method_notes(summ, greedy) + _check_notes(results.get("checks", {}))
+             *_table(summ), "", *_source_table(summ.get("by_source")),
+             *_per_prompt_table(summ.get("per_prompt"), rounds)]
+    notes = _method_notes(summ, greedy) + _check_notes(results.get("checks", {}), rounds)
     if not greedy and results.get("distribution_check"):
         notes += _distribution_notes(results["distribution_check"])
     rc = results.get("recording")

@@ -6,8 +6,13 @@ all methods alike.  Each call is timed whole, prefill included.  The methods are
 listed in `rest_core.bench.methods`; the numbers are derived in `rest_core.bench.stats`
 from the per-prompt records only.
 
-`--temperature > 0` runs plain, rest_static and rest_full with the same seed per
-prompt and checks the distribution of the first new token (chi-square).
+`--temperature > 0` runs plain, rest_static, rest_full and rest_model with the same
+seed per prompt and checks the distribution of the first new token (chi-square).
+
+`repeats` (`--repeats N`) runs the whole set N rounds: round r runs every prompt with
+every method (the order rotating per prompt, as in one round).  Every round starts with
+an empty history and empty model tables, so each round repeats the same run; outputs
+are checked against the reference in every round.
 """
 from __future__ import annotations
 
@@ -50,16 +55,20 @@ def run_benchmark(lm: LoadedModel, prompts: Sequence[BenchPrompt], cfg: DecodeCo
                   methods: Sequence[str] | None = None, static_store: Store | None = None,
                   out_dir: str | Path | None = None, *,
                   suite: str = "custom", datastore: str = "", command: str = "", prompt_lookup_tokens: int = 10,
-                  chi2_prompts: int = 1, chi2_seeds: int = 200, png: bool = True, progress: bool = True) -> dict:
-    """Run every method on every prompt; write results.json/.md and the charts to out_dir; return the results."""
+                  chi2_prompts: int = 1, chi2_seeds: int = 200, png: bool = True, progress: bool = True,
+                  repeats: int = 1) -> dict:
+    """Run every method on every prompt (`repeats` rounds); write results.json/.md and the charts to out_dir;
+    return the results."""
     cfg.validate()
     greedy = cfg.sampling.greedy
     methods = _methods(cfg, methods)
     if not prompts:
         raise ValueError("The suite has no prompts.")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}.")
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0
     results = {"settings": _settings(cfg, suite, methods, datastore, static_store, len(prompts), prompt_lookup_tokens,
-                                     base_seed),
+                                     base_seed, repeats),
                "machine": machine_info(lm), "command": command, "warmup": [], "prompts": [], "records": [],
                "started_at": _dt.datetime.now().isoformat(timespec="seconds")}
     verbosity = transformers.logging.get_verbosity()
@@ -69,7 +78,7 @@ def run_benchmark(lm: LoadedModel, prompts: Sequence[BenchPrompt], cfg: DecodeCo
                                          "times_ms": [round(float(t), 4) for t in runner.cost_model.times_ms]}
     interrupted = False
     try:
-        _run_prompts(runner, prompts, cfg, base_seed, results, suite, progress)
+        _run_prompts(runner, prompts, cfg, base_seed, results, suite, progress, repeats)
         if not greedy and chi2_prompts > 0 and chi2_seeds > 0:
             results["distribution_check"] = first_token_check(runner, prompts[:chi2_prompts], cfg, chi2_seeds,
                                                               progress=progress)
@@ -93,27 +102,38 @@ def run_benchmark(lm: LoadedModel, prompts: Sequence[BenchPrompt], cfg: DecodeCo
 
 
 def _run_prompts(runner: MethodRunner, prompts: Sequence[BenchPrompt], cfg: DecodeConfig, base_seed: int,
-                 results: dict, suite: str, progress: bool) -> None:
-    """One untimed warm-up, then every method on every prompt, interleaved; records go into results."""
-    greedy = cfg.sampling.greedy
+                 results: dict, suite: str, progress: bool, repeats: int = 1) -> None:
+    """One untimed warm-up, then `repeats` rounds of every method on every prompt, interleaved."""
     warm_cfg = replace(cfg, max_new_tokens=min(16, cfg.max_new_tokens), sampling=replace(cfg.sampling, seed=base_seed))
     for m in runner.methods:  # not timed, not added to the history
         rec = runner.run(m, prompts[0].ids, warm_cfg, update_history=False)
         results["warmup"].append({"method": m, "ok": rec["ok"], "error": rec["error"]})
-    bar = tqdm(total=len(prompts) * len(runner.methods), desc=f"bench {suite}", unit="run", disable=not progress)
+    bar = tqdm(total=repeats * len(prompts) * len(runner.methods), desc=f"bench {suite}", unit="run",
+               disable=not progress)
+    for r in range(repeats):
+        runner.reset_learned()  # every round (the first too: the warm-up taught the model tables) starts empty
+        _run_round(runner, prompts, cfg, base_seed, results, r, bar)
+    bar.close()
+
+
+def _run_round(runner: MethodRunner, prompts: Sequence[BenchPrompt], cfg: DecodeConfig, base_seed: int,
+               results: dict, r: int, bar: tqdm) -> None:
+    """Round r: every method on every prompt, the order rotating per prompt; records go into results."""
+    greedy = cfg.sampling.greedy
     for i, p in enumerate(prompts):
-        results["prompts"].append({"id": p.id, "prompt_tokens": len(p.ids), "grounded": p.grounded, "text": p.text})
+        if r == 0:
+            results["prompts"].append({"id": p.id, "prompt_tokens": len(p.ids), "grounded": p.grounded,
+                                       "text": p.text})
         pcfg = cfg if greedy else replace(cfg, sampling=replace(cfg.sampling, seed=base_seed + i))
         by_method = {}
         for k, m in enumerate(rotated(runner.methods, i)):
-            bar.set_postfix_str(f"{p.id} {m}")
+            bar.set_postfix_str(f"round {r + 1} {p.id} {m}")
             rec = runner.run(m, p.ids, pcfg)
-            rec.update(prompt=p.id, prompt_index=i, order=k, seed=None if greedy else base_seed + i)
+            rec.update(round=r, prompt=p.id, prompt_index=i, order=k, seed=None if greedy else base_seed + i)
             by_method[m] = rec
             results["records"].append(rec)
             bar.update(1)
         _compare(runner.lm, p, by_method, greedy, runner.eos)
-    bar.close()
 
 
 def _compare(lm: LoadedModel, prompt: BenchPrompt, by_method: dict, greedy: bool, eos: set[int]) -> None:
@@ -139,7 +159,7 @@ def _compare(lm: LoadedModel, prompt: BenchPrompt, by_method: dict, greedy: bool
 
 
 def _settings(cfg: DecodeConfig, suite: str, methods: Sequence[str], datastore: str, static_store: Store | None,
-              n_prompts: int, prompt_lookup_tokens: int, base_seed: int) -> dict:
+              n_prompts: int, prompt_lookup_tokens: int, base_seed: int, repeats: int = 1) -> dict:
     s = cfg.sampling
     return {"suite": suite, "prompts": n_prompts, "methods": list(methods),
             "mode": "greedy" if s.greedy else "sampling", "max_new_tokens": cfg.max_new_tokens,
@@ -150,5 +170,12 @@ def _settings(cfg: DecodeConfig, suite: str, methods: Sequence[str], datastore: 
             "prompt_lookup_num_tokens": prompt_lookup_tokens, "datastore": datastore,
             "static_store": None if static_store is None else {"path": str(getattr(static_store, "path", "")),
                                                                 "n_tokens": int(getattr(static_store, "n_tokens", 0))},
-            "history": "in memory, empty at the start; rest_full adds each of its answers after the prompt",
+            "repeats": repeats,
+            "rounds": ("round r runs every prompt with every method, the order rotating per prompt; tokens/s, "
+                       "ms/token and speedup are medians over rounds of each round's suite figure (speedup: over "
+                       "the baseline's tokens/s in the same round), with min-max; other figures pool all rounds"),
+            "history": ("in memory, empty at the start of every round; rest_full adds each of its answers after "
+                        "the prompt"),
+            "model_drafts": ("in memory, one table per method (rest_full, rest_model), empty at the start of every "
+                             "round; each learns from every forward pass of its own method over the round's prompts"),
             "warmup": "one prompt (the first), every method, max 16 tokens, not timed"}

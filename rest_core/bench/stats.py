@@ -1,5 +1,10 @@
 """Numbers from the benchmark's per-prompt records: the per-method summary, the checks,
-the first-token distribution test (sampling) and the recorder's overhead."""
+the first-token distribution test (sampling) and the recorder's overhead.
+
+With several rounds (`--repeats N`) the suite-level speed figures (tokens/s, ms/token,
+speedup) are the median over rounds of each round's suite figure, with the spread (min
+and max); every other figure pools the records of all rounds.  Per prompt, rest_full's
+tokens/s over the baseline's is given per round, with its median and spread."""
 from __future__ import annotations
 
 from collections import Counter
@@ -20,15 +25,21 @@ PLAIN_TOLERANCE = 0.05  # our plain loop should be within 5% of generate() per t
 SUMMARY_KEYS = ("prompts_ok", "prompts_failed", "new_tokens", "wall_s", "tokens_per_s", "mean_prompt_tokens_per_s",
                 "ms_per_token", "speedup", "forward_passes", "mean_accepted", "acceptance_rate", "no_draft_share",
                 "retrieve_ms_p50", "retrieve_ms_p99", "verify_cost_rel_model", "forward_ms_per_step",
-                "verify_cost_rel_measured", "mean_budget", "identical", "compared")
+                "verify_cost_rel_measured", "mean_budget", "identical", "compared", "speedup_min", "speedup_max")
+PER_PROMPT_METHOD = "rest_full"  # the per-prompt table: this method against the baseline
 
 
-def _ratio(a, b):
-    return a / b if b else None
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    got = [x for x in xs if x is not None]
+    return float(np.median(got)) if got else None
 
 
 def _method_summary(m: str, recs: list[dict], cm: CostModel) -> dict:
-    """One method's numbers from its records (speedup and measured cost are filled in by `summarize`)."""
+    """One method's numbers from its records (the speed figures and measured cost are filled in by `summarize`)."""
     ok = [r for r in recs if r["ok"]]
     new = sum(r["new_tokens"] for r in ok)
     wall = sum(r["wall_s"] for r in ok)
@@ -43,10 +54,9 @@ def _method_summary(m: str, recs: list[dict], cm: CostModel) -> dict:
     spec = m in SPECULATIVE
     return {
         "prompts_ok": len(ok), "prompts_failed": len(recs) - len(ok), "new_tokens": new, "wall_s": wall,
-        "tokens_per_s": _ratio(new, wall),
+        "tokens_per_s": None,
         "mean_prompt_tokens_per_s": float(np.mean([r["tokens_per_s"] for r in ok])) if ok else None,
-        "ms_per_token": _ratio(wall * 1e3, new),
-        "speedup": None,
+        "ms_per_token": None, "speedup": None,
         "forward_passes": passes, "mean_accepted": _ratio(new, passes),
         "acceptance_rate": _ratio(sum(r["accepted_drafts"] for r in ok), drafted) if spec else None,
         "no_draft_share": _ratio(sum(r["no_draft_steps"] for r in ok), steps) if spec else None,
@@ -60,20 +70,85 @@ def _method_summary(m: str, recs: list[dict], cm: CostModel) -> dict:
     }
 
 
-def summarize(records: list[dict], methods: Sequence[str], greedy: bool, cost_model: dict) -> dict:
-    """Per-method numbers, computed from the per-prompt records only."""
-    cm = CostModel(grid=tuple(cost_model["grid"]), times_ms=np.array(cost_model["times_ms"], dtype=float))
-    out = {m: _method_summary(m, [r for r in records if r["method"] == m], cm) for m in methods}
+def _round_speed(records: list[dict], methods: Sequence[str]) -> list[dict]:
+    """Each round's suite figures per method: tokens/s and ms/token (all its tokens, all its wall time)."""
+    rounds = []
+    for k in sorted({r.get("round", 0) for r in records}):
+        ok = [r for r in records if r.get("round", 0) == k and r["ok"]]
+        new = {m: sum(r["new_tokens"] for r in ok if r["method"] == m) for m in methods}
+        wall = {m: sum(r["wall_s"] for r in ok if r["method"] == m) for m in methods}
+        rounds.append({"round": k, "tokens_per_s": {m: _ratio(new[m], wall[m]) for m in methods},
+                       "ms_per_token": {m: _ratio(wall[m] * 1e3, new[m]) for m in methods}})
+    return rounds
+
+
+def _speed(out: dict, rounds: list[dict], greedy: bool) -> str | None:
+    """Fill tokens/s, ms/token and speedup (medians over rounds, speedup spread); return the baseline."""
+    for m, s in out.items():
+        s["tokens_per_s"] = _median([r["tokens_per_s"][m] for r in rounds])
+        s["ms_per_token"] = _median([r["ms_per_token"][m] for r in rounds])
     base_names = [m for m in (("plain", "hf_greedy") if greedy else ("plain",)) if out.get(m, {}).get("tokens_per_s")]
     baseline = max(base_names, key=lambda m: out[m]["tokens_per_s"]) if base_names else None
+    for r in rounds:  # speedup in a round: over the baseline's tokens/s in that same round
+        r["speedup"] = {m: _ratio(t, r["tokens_per_s"].get(baseline)) for m, t in r["tokens_per_s"].items()}
+    for m, s in out.items():
+        ups = [r["speedup"][m] for r in rounds if r["speedup"][m] is not None]
+        s["speedup"] = _median(ups)
+        s["speedup_min"], s["speedup_max"] = min(ups, default=None), max(ups, default=None)
+    return baseline
+
+
+def summarize(records: list[dict], methods: Sequence[str], greedy: bool, cost_model: dict) -> dict:
+    """Per-method numbers, computed from the per-prompt records only (see the module docstring for rounds)."""
+    cm = CostModel(grid=tuple(cost_model["grid"]), times_ms=np.array(cost_model["times_ms"], dtype=float))
+    out = {m: _method_summary(m, [r for r in records if r["method"] == m], cm) for m in methods}
+    rounds = _round_speed(records, methods)
+    baseline = _speed(out, rounds, greedy)
     plain_fwd = out.get("plain", {}).get("forward_ms_per_step")
     for s in out.values():
-        if baseline and s["tokens_per_s"] is not None:
-            s["speedup"] = s["tokens_per_s"] / out[baseline]["tokens_per_s"]
         if plain_fwd and s["forward_ms_per_step"] is not None:
             s["verify_cost_rel_measured"] = s["forward_ms_per_step"] / plain_fwd
     return {"baseline": baseline, "reference": "hf_greedy" if greedy and "hf_greedy" in methods else "plain",
-            "methods": out}
+            "methods": out, "rounds": rounds, "by_source": source_summary(records, methods),
+            "per_prompt": per_prompt_ratios(records, PER_PROMPT_METHOD, baseline)}
+
+
+def source_summary(records: list[dict], methods: Sequence[str]) -> dict:
+    """Per REST method and draft source: draft nodes sent to the model, committed draft tokens and their
+    ratio, summed over every prompt and round the method completed.  Sources in the stores' merge order."""
+    out = {}
+    for m in (m for m in methods if m in REST_METHODS):
+        ok = [r for r in records if r["method"] == m and r["ok"]]
+        names = list(dict.fromkeys(s for r in ok for s in r.get("sources", ())))
+        names += sorted({s for r in ok for s in r.get("drafted_by_source", {})} - set(names))
+        drafted = {s: sum(r.get("drafted_by_source", {}).get(s, 0) for r in ok) for s in names}
+        accepted = {s: sum(r.get("accepted_by_source", {}).get(s, 0) for r in ok) for s in names}
+        out[m] = {s: {"drafted": drafted[s], "accepted": accepted[s],
+                      "acceptance_rate": _ratio(accepted[s], drafted[s])} for s in names}
+    return out
+
+
+def per_prompt_ratios(records: list[dict], method: str, baseline: str | None) -> dict | None:
+    """Per prompt: `method`'s tokens/s over the baseline's on that prompt in each round (None where either
+    failed), with the median and the min and max over rounds.  None without both methods."""
+    present = {r["method"] for r in records}
+    if baseline is None or method not in present or baseline not in present:
+        return None
+    by: dict[str, dict[int, dict]] = {}
+    for r in records:
+        if r["method"] in (method, baseline):
+            by.setdefault(r["prompt"], {}).setdefault(r.get("round", 0), {})[r["method"]] = r
+    prompts = []
+    for pid, rounds in by.items():
+        ratios = []
+        for k in sorted(rounds):
+            a, b = rounds[k].get(method), rounds[k].get(baseline)
+            both = a is not None and b is not None and a["ok"] and b["ok"]
+            ratios.append(_ratio(a["tokens_per_s"], b["tokens_per_s"]) if both else None)
+        got = [x for x in ratios if x is not None]
+        prompts.append({"prompt": pid, "ratios": ratios, "median": _median(got), "min": min(got, default=None),
+                        "max": max(got, default=None)})
+    return {"method": method, "baseline": baseline, "prompts": prompts}
 
 
 def checks(records: list[dict], summary: dict, greedy: bool) -> dict:
@@ -81,7 +156,7 @@ def checks(records: list[dict], summary: dict, greedy: bool) -> dict:
     out = {}
     by = {}
     for r in records:
-        by.setdefault(r["prompt"], {})[r["method"]] = r
+        by.setdefault((r.get("round", 0), r["prompt"]), {})[r["method"]] = r
     both = [(d["plain"], d["hf_greedy"]) for d in by.values()
             if d.get("plain", {}).get("ok") and d.get("hf_greedy", {}).get("ok")]
     if greedy and both:
@@ -93,9 +168,10 @@ def checks(records: list[dict], summary: dict, greedy: bool) -> dict:
         if ratio is not None and not out["plain_within_5pct_of_hf"]:
             out["plain_vs_hf_flag"] = (f"our plain loop takes {ratio:.3f}x the time per token of generate() "
                                        f"({'slower' if ratio > 1 else 'faster'} by more than 5%)")
-    out["differences"] = [{"prompt": r["prompt"], "method": r["method"], "reference": r["reference"],
-                           **r.get("difference", {})} for r in records if r.get("identical") is False]
-    out["errors"] = [{"prompt": r["prompt"], "method": r["method"], "error": r["error"]}
+    out["differences"] = [{"prompt": r["prompt"], "round": r.get("round", 0), "method": r["method"],
+                           "reference": r["reference"], **r.get("difference", {})}
+                          for r in records if r.get("identical") is False]
+    out["errors"] = [{"prompt": r["prompt"], "round": r.get("round", 0), "method": r["method"], "error": r["error"]}
                      for r in records if not r["ok"]]
     out["forward_log_inconsistent"] = [{"prompt": r["prompt"], "method": r["method"]} for r in records
                                        if r["ok"] and not r.get("log_consistent", True)]
@@ -152,7 +228,8 @@ def first_token_check(runner: MethodRunner, prompts: Sequence[BenchPrompt], cfg:
     lm = runner.lm
     one = replace(cfg, max_new_tokens=1)
     report = {"seeds": seeds, "what": "first new token over seeds 0..S-1 (max_new_tokens=1), against the model's "
-              "exact distribution after temperature/top-k/top-p; rest_full's history is not updated", "prompts": []}
+              "exact distribution after temperature/top-k/top-p; rest_full's history is not updated (the model "
+              "tables learn from these passes too)", "prompts": []}
     for p in prompts:
         with torch.inference_mode():
             logits = lm.model(input_ids=torch.tensor([list(p.ids)], device=lm.device)).logits[0, -1]  # (V,)

@@ -5,7 +5,8 @@
 * figures -- plotly figures of a step or a run (`draft_tree_figure`, `mask_heatmap`,
   `speed_figure`, `acceptance_histogram`, `phase_breakdown`, `continuation_tree_figure`),
   `source_color` for any source name, and the tinted output text (`origin_spans`,
-  `origin_text_html`).
+  `origin_text_html`: every token tinted by its origin, a draft source such as "model" -- the
+  model's own recycled predictions -- or "bonus", the token the model adds at each step).
 * `RUN_COLUMNS`, `tokens_per_s` (runs) -- the one run table.
 * `add_traces_parser`, `run_traces` (cli) -- ``python -m rest_core traces list | show | export``.
 """

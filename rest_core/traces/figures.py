@@ -23,13 +23,20 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from rest_core.phases import PHASES
-from rest_core.traces.origins import ORIGIN_STYLES, origin_spans, origin_text_html, step_counts, token_origins
+from rest_core.traces.origins import (
+    ORIGIN_STYLES,
+    origin_spans,
+    origin_text_html,
+    source_words,
+    step_counts,
+    token_origins,
+)
 from rest_core.traces.palette import (
     ACCEPTED,
     BLUE,
+    BONUS,
     FONT,
     GREY,
-    MODEL,
     PHASE_COLOURS,
     SOURCE_COLOURS,
     VERMILLION,
@@ -41,7 +48,7 @@ from rest_core.tree import ancestors
 
 __all__ = ["ORIGIN_STYLES", "SOURCE_COLOURS", "acceptance_histogram", "continuation_tree_figure",
            "disagreement", "draft_tree_figure", "mask_heatmap", "origin_spans", "origin_text_html", "phase_breakdown",
-           "show_token", "source_color", "speed_figure", "step_counts", "token_origins", "tree_layout"]
+           "show_token", "source_color", "source_words", "speed_figure", "step_counts", "token_origins", "tree_layout"]
 
 
 def show_token(text: str) -> str:
@@ -128,7 +135,7 @@ def draft_tree_figure(step: StepDetail) -> go.Figure:
             marker=dict(color=source_color(source),
                         size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
                               for n in members],
-                        line=dict(color=[MODEL if n["node"] == last else ACCEPTED if n["accepted"] else "white"
+                        line=dict(color=[BONUS if n["node"] == last else ACCEPTED if n["accepted"] else "white"
                                          for n in members],
                                   width=[4 if n["accepted"] else 1 for n in members])),
             hovertext=[_node_hover(n) for n in members], hoverinfo="text",
@@ -137,12 +144,12 @@ def draft_tree_figure(step: StepDetail) -> go.Figure:
 
     bonus_y = max(y) + 1  # a row of its own: the model's token is not part of the draft
     fig.add_trace(go.Scatter(x=[x[last], x[last] + 1], y=[y[last], bonus_y], mode="lines",
-                             line=dict(color=MODEL, width=3, dash="dash"), hoverinfo="skip", showlegend=False,
+                             line=dict(color=BONUS, width=3, dash="dash"), hoverinfo="skip", showlegend=False,
                              name="model's choice"))
     fig.add_trace(go.Scatter(
         x=[x[last] + 1], y=[bonus_y], mode="markers+text", text=[_label(step["bonus_text"])],
-        textposition="middle right", textfont=dict(size=15, color=MODEL),
-        marker=dict(symbol="star", size=24, color=MODEL), name="bonus token (the model's own)",
+        textposition="middle right", textfont=dict(size=15, color=BONUS),
+        marker=dict(symbol="star", size=24, color=BONUS), name="bonus token (the model's own)",
         hovertext=[(f"bonus token {_label(step['bonus_text'])} (id {step['bonus_token']})<br>"
                     "produced by the verifying forward pass after the last accepted node")],
         hoverinfo="text"))
@@ -153,8 +160,8 @@ def draft_tree_figure(step: StepDetail) -> go.Figure:
     else:
         note = f"draft ends here (leaf), model: {_label(model_text)}"
     fig.add_annotation(x=x[last] + 1, y=bonus_y, text=note, showarrow=False, xanchor="left", yanchor="top",
-                       yshift=-16, font=dict(size=16, color=MODEL), bgcolor="rgba(255,255,255,0.9)",
-                       bordercolor=MODEL, name="disagreement")
+                       yshift=-16, font=dict(size=16, color=BONUS), bgcolor="rgba(255,255,255,0.9)",
+                       bordercolor=BONUS, name="disagreement")
     n_leaves = len(nodes) - len({n["parent"] for n in nodes} - {-1})
     accepted = len(path) - 1
     return _style(
@@ -173,7 +180,9 @@ def _node_hover(n: NodeRow) -> str:
         score = f"total retrieval weight {n['score']:g}"
     else:
         head = f"node {n['node']}, depth {n['depth']}: {_label(n['token_text'])} (id {n['token_id']})"
-        score = f"retrieval score {n['score']:g}, mostly from the {n['source']} store"
+        score = (f"score {n['score']:g}: the model's own earlier prediction after its parent token (recycled)"
+                 if n["source"] == "model" else
+                 f"retrieval score {n['score']:g}, mostly from {source_words(n['source'])}")
     verdict = "on the accepted path" if n["accepted"] else (
         "matches the model's choice at its parent" if n["chosen"] else "not what the model chose")
     return (f"{head}<br>{score}<br>{verdict}<br>the model's choice after it: "
@@ -240,7 +249,7 @@ def speed_figure(steps: Sequence[StepRow], run: Optional[RunRow] = None) -> go.F
     x = [s["step"] for s in steps]
     fig.add_trace(go.Bar(x=x, y=[c[0] for c in counts], name="accepted draft tokens", marker_color=ACCEPTED,
                          hovertemplate="step %{x}: %{y} accepted draft tokens<extra></extra>"), 1, 2)
-    fig.add_trace(go.Bar(x=x, y=[c[1] for c in counts], name="token from the model (bonus)", marker_color=MODEL,
+    fig.add_trace(go.Bar(x=x, y=[c[1] for c in counts], name="token from the model (bonus)", marker_color=BONUS,
                          hovertemplate="step %{x}: %{y} from the model<extra></extra>"), 1, 2)
     if compared:
         rest = (run.get("new_tokens") or (total[-1] if total else 0)) / run["wall_s"]
@@ -327,7 +336,7 @@ def continuation_tree_figure(nodes: Sequence[Mapping]) -> go.Figure:
                        + ("the context's last token" if n["node"] == 0 else
                           f"share of the retrieval weight {100 * (n['score'] or 0) / total:.0f}%")
                        for n in members],
-            hoverinfo="text", name="last context token" if source == "" else f"from the {source} store"))
+            hoverinfo="text", name="last context token" if source == "" else f"from {source_words(source)}"))
     n_leaves = len(nodes) - len({n["parent"] for n in nodes} - {-1})
     return _style(fig, f"The draft tree retrieval proposes: {len(nodes) - 1} tokens",
                   height=max(380, 26 * (n_leaves + 1) + 160), showlegend=True,

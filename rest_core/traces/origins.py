@@ -1,5 +1,6 @@
-"""Where each committed token came from: an accepted draft token of some source, or
-the model's own (bonus) token; drawn as tinted text for the chat and the export page."""
+"""Where each committed token came from: an accepted draft token of some source (one of them,
+"model", is the model's own earlier prediction, recycled), or the bonus token the model adds
+at the end of every step (origin "bonus"); drawn as tinted text for the chat and the export page."""
 from __future__ import annotations
 
 import html
@@ -7,20 +8,22 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Optional
 
-from rest_core.traces.palette import source_color, tint
+from rest_core.traces.palette import BONUS, source_color, tint
 from rest_core.traces.rows import StepRow
 
 ORIGIN_STYLES = {  # the known origins: background tint (dark text stays legible), description
     "static": (tint(source_color("static"), 0.25), "accepted draft, static store"),
     "request": (tint(source_color("request"), 0.35), "accepted draft, this request (prompt + output)"),
     "history": (tint(source_color("history"), 0.30), "accepted draft, history of past outputs"),
-    "model": (tint(source_color("model"), 0.30), "from the model (bonus token)"),
+    "model": (tint(source_color("model"), 0.50), "accepted draft, model's own prediction (recycled)"),
+    "bonus": (tint(BONUS, 0.30), "from the model (bonus token)"),
 }
+SOURCE_WORDS = {"model": "the model's own earlier predictions (recycled)"}  # how a sentence names a source
 STEP_EDGE = "border-left:1px solid rgba(0,0,0,0.35);"  # marks the first token of each step
 
 
 def step_counts(step: StepRow) -> tuple[int, int]:
-    """(accepted draft tokens, model tokens) among the tokens a step committed
+    """(accepted draft tokens, bonus tokens) among the tokens a step committed
     (an EOS or length cut can drop some of either)."""
     committed = len(step["new_tokens"])
     drafted = min(step["accepted_len"], committed)
@@ -29,15 +32,20 @@ def step_counts(step: StepRow) -> tuple[int, int]:
 
 def token_origins(steps: Sequence[StepRow]) -> list[tuple[int, str, str]]:
     """(step, origin, text) for every committed token; origin is the source of an
-    accepted draft token, or 'model' for the token the model added itself."""
+    accepted draft token (the source 'model' included), or 'bonus' for the token the model added itself."""
     out = []
     for s in steps:
         drafted, _ = step_counts(s)
         sources = s.get("accepted_sources") or []
         for k, text in enumerate(s["new_texts"]):
-            origin = (sources[k] if k < len(sources) else "draft") if k < drafted else "model"
+            origin = (sources[k] if k < len(sources) else "draft") if k < drafted else "bonus"
             out.append((s["step"], origin, text))
     return out
+
+
+def source_words(source: str) -> str:
+    """A source as a sentence names it: "the static store", "the model's own earlier predictions (recycled)"."""
+    return SOURCE_WORDS.get(source) or f"the {source} store"
 
 
 def origin_style(origin: str) -> tuple[str, str]:

@@ -1,6 +1,9 @@
 """Colours of the trace figures and pages: Okabe-Ito (safe for the common
 colour-vision deficiencies), one fixed colour per known source and a stable
-fallback colour for any other source name."""
+fallback colour for any other source name.
+
+The draft source "model" (the model's own recycled predictions) is yellow; the bonus
+token (the one the model adds itself at the end of each step) is reddish purple."""
 from __future__ import annotations
 
 import zlib
@@ -10,12 +13,12 @@ from rest_core.phases import PHASES
 
 BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
     "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#7F7F7F")
-SOURCE_COLOURS = {"static": BLUE, "request": ORANGE, "history": GREEN, "model": PURPLE, "": GREY}  # "" = root
-# Any other source: sky and yellow (the Okabe-Ito colours left), then Paul Tol's colour-blind-safe "muted" set.
-FALLBACK_COLOURS = (SKY, YELLOW, "#332288", "#44AA99", "#882255", "#999933", "#CC6677", "#AA4499")
+SOURCE_COLOURS = {"static": BLUE, "request": ORANGE, "history": GREEN, "model": YELLOW, "": GREY}  # "" = root
+# Any other source: sky (the Okabe-Ito colour left), then Paul Tol's colour-blind-safe "muted" set.
+FALLBACK_COLOURS = (SKY, "#332288", "#44AA99", "#882255", "#999933", "#CC6677", "#AA4499")
 PHASE_COLOURS = dict(zip(PHASES, (BLUE, ORANGE, SKY, GREEN, PURPLE)))
 ACCEPTED = VERMILLION  # the accepted path
-MODEL = PURPLE  # tokens the model produced itself (bonus)
+BONUS = PURPLE  # the token the model adds itself at the end of each step (not a draft source)
 FONT = dict(family="DejaVu Sans, Arial, sans-serif", size=16, color="#222")
 
 
