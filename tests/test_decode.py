@@ -184,13 +184,19 @@ def _sample_many(lm, prompt, sampling, store, runs, length, stores=None):
 SMALL = dict(vocab_size=5, layers=1, eos_token_id=4)
 
 
-def test_rest_sampling_matches_plain_distribution():
+def _spread_out_case():
+    """A 5-token model with a spread-out distribution (every branch matters), a prompt, sampling
+    settings, and the exact probability of every 3-token continuation."""
     lm = make_tiny_lm(seed=3, **SMALL)
     with torch.no_grad():
-        lm.model.lm_head.weight.mul_(0.25)  # a spread-out distribution: every branch matters
+        lm.model.lm_head.weight.mul_(0.25)
     prompt = [1, 2]
     sampling = Sampling(temperature=0.9, top_p=0.95)
-    expected = _exact_sequence_probs(lm, prompt, sampling, 3, 5)
+    return lm, prompt, sampling, _exact_sequence_probs(lm, prompt, sampling, 3, 5)
+
+
+def test_rest_sampling_matches_plain_distribution():
+    lm, prompt, sampling, expected = _spread_out_case()
     store = BruteForceStore([1, 2, 0, 1, 2, 1, 2, 3, 0, 0, 1, 2, 2, 2, 3, 2, 0, 1])  # branching drafts
     runs = 1500
     observed = _sample_many(lm, prompt, sampling, store, runs, 3)
@@ -198,12 +204,7 @@ def test_rest_sampling_matches_plain_distribution():
 
 
 def test_rest_sampling_with_the_models_own_drafts_matches_plain_distribution():
-    lm = make_tiny_lm(seed=3, **SMALL)
-    with torch.no_grad():
-        lm.model.lm_head.weight.mul_(0.25)
-    prompt = [1, 2]
-    sampling = Sampling(temperature=0.9, top_p=0.95)
-    expected = _exact_sequence_probs(lm, prompt, sampling, 3, 5)
+    lm, prompt, sampling, expected = _spread_out_case()
     recycled = RecycleStore(5, k=3)  # learns from every pass, so later runs draft branching trees from it
     runs = 1000
     observed = _sample_many(lm, prompt, sampling, None, runs, 3, stores=assemble_stores(request=False, model=recycled))
@@ -228,12 +229,7 @@ def test_the_chi_square_check_catches_the_biased_reference_rule(monkeypatch):
             path.append(accepted)
             node = accepted
 
-    lm = make_tiny_lm(seed=3, **SMALL)
-    with torch.no_grad():
-        lm.model.lm_head.weight.mul_(0.25)
-    prompt = [1, 2]
-    sampling = Sampling(temperature=0.9, top_p=0.95)
-    expected = _exact_sequence_probs(lm, prompt, sampling, 3, 5)
+    lm, prompt, sampling, expected = _spread_out_case()
     store = BruteForceStore([1, 2, 0, 1, 2, 1, 2, 3, 0, 0, 1, 2, 2, 2, 3, 2, 0, 1])
     monkeypatch.setattr(verify_mod, "verify_sampling", biased)
     observed = _sample_many(lm, prompt, sampling, store, 800, 3)
