@@ -46,22 +46,25 @@ def _build_lock(path: Path):
 
 
 def open_default_store(tokenizer: Any, progress: bool = True, max_tokens: Optional[int] = None) -> TokenDatastore:
-    """Open (building on first use) the Python-source store for this tokenizer."""
+    """Open (building on first use) the Python-source store for this tokenizer.
+
+    Labelled by its folder's name (``static:python-<fingerprint>``), never by a server path."""
     path = default_store_path(tokenizer)
     try:
-        return TokenDatastore.open(path, tokenizer=tokenizer)
+        return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name)
     except DatastoreError:
         pass
     with _build_lock(path):
         try:  # another process may have finished it while we waited
-            return TokenDatastore.open(path, tokenizer=tokenizer)
+            return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name)
         except DatastoreError:
             pass
         roots = [stdlib_root(), *site_packages_roots()]
         print(f"Building the default datastore at {path} from Python sources in {len(roots)} folders "
               f"(once; up to {max_tokens or DEFAULT_STORE_TOKENS:,} tokens)...", flush=True)
-        return build_datastore(path, tokenizer, iter_python_sources(roots), progress=progress,
-                               max_tokens=max_tokens or DEFAULT_STORE_TOKENS, overwrite=True)
+        build_datastore(path, tokenizer, iter_python_sources(roots), progress=progress,
+                        max_tokens=max_tokens or DEFAULT_STORE_TOKENS, overwrite=True)
+        return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name)
 
 
 def open_static_store(spec: Optional[str], tokenizer: Any, progress: bool = True) -> Optional[TokenDatastore]:

@@ -172,12 +172,12 @@ class TokenDatastore(StoreBase):
         _, suffix = index_dtype(n)
         item = 4 if suffix == "u32" else 8
         expected = {TOKENS_NAME: 4 * n, f"sa.{suffix}": item * n, f"ends.{suffix}": None}
-        for name, want in expected.items():
-            rec = meta["files"].get(name)
+        for fname, want in expected.items():
+            rec = meta["files"].get(fname)
             if not isinstance(rec, dict) or not isinstance(rec.get("size"), int) \
                     or not isinstance(rec.get("sample_sha256"), str):
-                raise DatastoreError(f"{path / META_NAME} is corrupt (no record for {name}); {rebuild_hint(path)}")
-            fpath = path / name
+                raise DatastoreError(f"{path / META_NAME} is corrupt (no record for {fname}); {rebuild_hint(path)}")
+            fpath = path / fname
             if not fpath.exists():
                 raise DatastoreError(f"{fpath} is missing; the store is incomplete; {rebuild_hint(path)}")
             size = fpath.stat().st_size

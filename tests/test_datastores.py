@@ -410,3 +410,9 @@ def test_cli_build_info_and_errors(tmp_path, capsys):
     assert main(["build", str(tmp_path / "t"), "--files", str(tmp_path / "nope"), "--tokenizer",
                  str(tmp_path / "tok")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_store_is_labelled_by_its_folder_or_the_name_it_was_opened_with(tmp_path):
+    build_from_token_documents(tmp_path / "s", [[1, 2, 3], [4, 5]])
+    assert TokenDatastore.open(tmp_path / "s").label == f"static:{tmp_path / 's'}"
+    assert TokenDatastore.open(tmp_path / "s", name="uploaded").label == "static:uploaded"

@@ -39,6 +39,7 @@ def test_default_store_drafts_python(default_lm, default_store):
         prompt, DecodeConfig(max_new_tokens=64, draft_budget=16))
     assert res.mean_accepted > 1.5
     assert default_store.n_tokens > 1_000_000
+    assert default_store.label == f"static:{default_store.path.name}"  # runs never show a server path
 
 
 def test_cli_generate_check_json(default_lm, default_store):
