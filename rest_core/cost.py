@@ -6,8 +6,9 @@ number of draft tokens follows the expected gain:
     budget b maximizes  (1 + E[accepted drafts | top-b nodes]) / t(b + 1)
 
 t(q) is the measured time of one forward pass over q tokens (calibrated once
-per model, device and thread count, cached, and refreshed with every step's
-real timing).  E[accepted] sums each kept node's chance of being accepted.  A
+per model, device, dtype and machine -- rest_core.machine.machine_key: CPU,
+instruction set, threads, torch version -- cached, and refreshed with every
+step's real timing).  E[accepted] sums each kept node's chance of being accepted.  A
 node's share -- the fraction of its source's continuations that start with its
 path (for the model's own predictions, the prior chance of that path) -- is an
 estimate of that chance.  The estimate is calibrated online, per draft source and
@@ -20,7 +21,7 @@ decoding by design.
 Acceptance is counted per draft source (any name a store gives itself) and kept
 between runs per model and set of stores: a request-store draft with a given
 share is accepted far more often than a static-store one with the same share.
-The cost curve is measured once per process for a model, device and thread count.
+The cost curve is measured once per process for a model, device and machine.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import torch
 from transformers import DynamicCache
 
 from datastores import cache_dir
+from rest_core.machine import machine_key
 from rest_core.tree import DraftTree, keep_nodes
 
 if TYPE_CHECKING:
@@ -296,5 +298,5 @@ def _stats_path(lm, stores: Optional[Sequence]) -> Path:
 
 
 def _calibration_path(lm) -> Path:
-    key = f"{lm.name}-{lm.device.type}-{str(lm.dtype).split('.')[-1]}-t{torch.get_num_threads()}-c{os.cpu_count()}"
+    key = f"{lm.name}-{lm.device.type}-{str(lm.dtype).split('.')[-1]}-{machine_key()}"
     return cache_dir() / "cost" / f"{_safe(key)}.json"

@@ -6,6 +6,7 @@ import json
 import numpy as np
 
 import rest_core.cost as cost
+import rest_core.machine as machine
 from rest_core.cost import GRID, CostModel, monotone_fit
 from rest_core.tree import build_draft_tree
 
@@ -144,3 +145,12 @@ def test_unreadable_acceptance_stats_are_ignored(tmp_path):
         model = CostModel(times_ms=curve(50.0, 4.0), stats_path=path)
         model.load_stats()
         assert model.counts == {}
+
+
+def test_the_calibration_is_kept_per_machine(tiny_lm, monkeypatch):
+    here = cost._calibration_path(tiny_lm)
+    monkeypatch.setattr(machine.torch, "__version__", "0.0.0-other")
+    assert cost._calibration_path(tiny_lm) != here  # another torch: measured again
+    monkeypatch.undo()
+    monkeypatch.setattr(machine, "cpu_info", lambda: {"cpu": "Other CPU", "cpu_vendor": "x", "cpu_capability": "AVX2"})
+    assert cost._calibration_path(tiny_lm) != here  # another CPU or instruction set: measured again

@@ -15,6 +15,7 @@ import transformers
 from plotly.subplots import make_subplots
 
 from rest_core.bench.methods import TRACED
+from rest_core.machine import cpu_info
 
 if TYPE_CHECKING:
     from rest_core.model import LoadedModel
@@ -29,24 +30,6 @@ def loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def cpu_info() -> dict:
-    """CPU model name and vendor (from /proc/cpuinfo where there is one) and the instruction set torch uses."""
-    found = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "vendor_id") and key not in found:
-                    found[key] = value.strip()
-                if len(found) == 2:
-                    break
-    except OSError:
-        pass
-    return {"cpu": found.get("model name") or platform.processor() or platform.machine(),
-            "cpu_vendor": found.get("vendor_id"), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def machine_info(lm: LoadedModel | type[_CpuOnly]) -> dict:
