@@ -1,7 +1,9 @@
 """Figures show what they claim: checked on the figure data, from recorded steps."""
 from __future__ import annotations
 
+import csv
 import html
+import json
 import random
 from collections import Counter
 
@@ -231,6 +233,26 @@ def test_cli_list_show_export(rec, tmp_path, capsys):
     assert page.count("Plotly.newPlot(") == 3 + 2 * 2  # speed, histogram, phases + tree and mask of 2 steps
     assert "first 2 of 4 steps" in page and "rest-origin" in page
     assert traces_main(["traces", "show", "999", "--db", db]) == 1
+    assert traces_main(["traces", "export", str(run_id), "--db", db]) == 2  # no output named
+
+
+def test_export_to_json_and_csv(rec, tmp_path):
+    rng = random.Random(7)
+    traces = [make_trace(rng, step=k, n_nodes=6) for k in range(3)]
+    run_id = record_run(rec, traces)
+    js, cs = tmp_path / "run.json", tmp_path / "steps.csv"
+    assert traces_main(["traces", "export", str(run_id), "--json", str(js), "--csv", str(cs), "--db",
+                        str(rec.path)]) == 0
+    data = json.loads(js.read_text())
+    assert data["run"]["id"] == run_id and [s["step"] for s in data["steps"]] == [0, 1, 2]
+    for stored, t in zip(data["steps"], traces):
+        q = len(t.tree_tokens)
+        block = t.mask[0, 0, :, t.prefix_len:] == 0  # (q, q) may attend
+        assert stored["tree_mask"] == ["".join("1" if v else "0" for v in row) for row in block.tolist()]
+        assert [n["token_id"] for n in stored["nodes"]] == t.tree_tokens and len(stored["tree_mask"]) == q
+    rows = list(csv.DictReader(cs.open()))
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert json.loads(rows[1]["new_tokens"]) == traces[1].new_tokens and float(rows[2]["t_forward_ms"]) > 0
 
 
 def test_a_step_cut_at_eos_counts_only_committed_tokens(rec):

@@ -1,14 +1,17 @@
-"""`python -m rest_core traces list | show RUN | export RUN --html FILE [--db PATH]`.
+"""`python -m rest_core traces list | show RUN | export RUN [--html F] [--json F] [--csv F] [--db PATH]`.
 
 list   : the recorded runs, newest first
 show   : one run's summary and a table of its steps
-export : one self-contained HTML page with every figure of a run (plotly.js
-         inlined once; works offline)
+export : a run as one self-contained HTML page with every figure (plotly.js inlined
+         once; works offline), as JSON (the run and every step with its draft tree,
+         branches and tree-mask block) and/or as CSV (one row per step)
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import html
+import io
 import json
 import sys
 from collections.abc import Sequence
@@ -128,9 +131,12 @@ def add_traces_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     ls.add_argument("--status", choices=["running", "done", "failed", "stopped", "interrupted"])
     show = sub.add_parser("show", parents=[common], help="a run's summary and its steps")
     show.add_argument("run", type=int)
-    export = sub.add_parser("export", parents=[common], help="every figure of a run in one HTML page")
+    export = sub.add_parser("export", parents=[common], help="a run as an HTML page, JSON or CSV")
     export.add_argument("run", type=int)
-    export.add_argument("--html", type=Path, required=True, help="output file")
+    export.add_argument("--html", type=Path, default=None, help="every figure of the run in one offline page")
+    export.add_argument("--json", type=Path, default=None,
+                        help="the run and every step: tree nodes, branches, tree-mask block ('1' = may attend)")
+    export.add_argument("--csv", type=Path, default=None, help="one row per step (lists and maps as JSON)")
     export.add_argument("--max-trees", type=int, default=20,
                         help="draw the tree and mask of the first N steps (default 20)")
     p.set_defaults(func=run_traces)
@@ -156,16 +162,56 @@ def run_traces(args: argparse.Namespace) -> int:
             print(f"{'output'.ljust(width)}  {run.get('output') or ''}\n")
             print(format_table(steps, step_columns(steps)) if steps else "no steps recorded")
             return 0
-        shown = steps[: max(0, args.max_trees)]
-        note = (f"Showing the first {len(shown)} of {len(steps)} steps (--max-trees)." if len(shown) < len(steps)
-                else f"All {len(steps)} steps.")
-        page = report_html(run, steps, [rec.load_step(run["id"], s["step"]) for s in shown], note)
-        args.html.parent.mkdir(parents=True, exist_ok=True)
-        args.html.write_text(page, encoding="utf-8")
-        print(f"wrote {args.html} ({len(page) / 1e6:.1f} MB, {len(steps)} steps, {len(shown)} trees)")
+        if not (args.html or args.json or args.csv):
+            print("export: name at least one output: --html FILE, --json FILE or --csv FILE", file=sys.stderr)
+            return 2
+        if args.html:
+            _export_html(rec, run, steps, args.html, args.max_trees)
+        if args.json:
+            _write(args.json, json.dumps(run_json(rec, run), ensure_ascii=False, indent=1))
+        if args.csv:
+            _write(args.csv, steps_csv(steps))
         return 0
     finally:
         rec.close()
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    print(f"wrote {path} ({len(text) / 1e6:.2f} MB)")
+
+
+def _export_html(rec: TraceRecorder, run: dict, steps: list, path: Path, max_trees: int) -> None:
+    shown = steps[: max(0, max_trees)]
+    note = (f"Showing the first {len(shown)} of {len(steps)} steps (--max-trees)." if len(shown) < len(steps)
+            else f"All {len(steps)} steps.")
+    _write(path, report_html(run, steps, [rec.load_step(run["id"], s["step"]) for s in shown], note))
+
+
+def run_json(rec: TraceRecorder, run: dict) -> dict:
+    """The run and every step in full; the tree-mask block as one string of 0/1 per query node."""
+    steps = []
+    for row in rec.load_steps(run["id"]):
+        step = dict(rec.load_step(run["id"], row["step"]))
+        block = step.pop("mask_block", None)
+        step.pop("tree_mask", None)
+        if block is not None:
+            step["tree_mask"] = ["".join("1" if v else "0" for v in line) for line in block.tolist()]
+        steps.append(step)
+    return {"run": dict(run), "steps": steps}
+
+
+def steps_csv(steps: Sequence[dict]) -> str:
+    """One row per step with every stored column; lists and maps as JSON text."""
+    out = io.StringIO()
+    columns = list(steps[0]) if steps else ["step"]
+    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    for s in steps:
+        writer.writerow({k: json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v
+                         for k, v in s.items()})
+    return out.getvalue()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
