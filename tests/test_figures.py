@@ -1,6 +1,7 @@
 """Figures show what they claim: checked on the figure data, from recorded steps."""
 from __future__ import annotations
 
+import asyncio
 import csv
 import html
 import json
@@ -10,6 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from datasette.app import Datasette
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_recorder import VOCAB, FakeTokenizer, make_trace, record_run, tree_mask
@@ -18,6 +20,7 @@ from rest_core.phases import PHASES
 from rest_core.trace import Branch, StepTrace
 from rest_core.traces import figures, palette
 from rest_core.traces.cli import main as traces_main
+from rest_core.traces.datasette import metadata as trace_metadata
 from rest_core.traces.palette import FALLBACK_COLOURS, tint
 from rest_core.traces.recorder import TraceRecorder
 from rest_core.traces.runs import RUN_COLUMNS, tokens_per_s
@@ -333,3 +336,28 @@ def test_run_columns(rec):
     assert row["tokens/pass"] == round(run["new_tokens"] / 4, 2) and row["speedup"] == 1.23
     assert row["tokens/s"] == round(tokens_per_s(run), 1) and row["identical"] == "no"
     assert tokens_per_s({**run, "wall_s": None}) is None
+
+
+def test_datasette_opens_the_traces_with_descriptions_and_canned_queries(rec):
+    rng = random.Random(8)
+    traces = [make_trace(rng, step=k, n_nodes=6) for k in range(3)]
+    run_id = record_run(rec, traces)
+    name = rec.path.stem
+    ds = Datasette([str(rec.path)], metadata=trace_metadata(name))
+
+    async def get(path):
+        return await ds.client.get(path)
+
+    by_source = asyncio.run(get(f"/{name}/acceptance_by_source.json?_shape=array"))
+    assert by_source.status_code == 200
+    drafted = Counter(s for t in traces for s in t.tree_sources[1:])
+    assert {r["source"]: r["drafted"] for r in by_source.json()} == dict(drafted)
+    phases = asyncio.run(get(f"/{name}/phase_ms.json?_shape=array&run_id={run_id}")).json()
+    assert set(phases[0]) == set(PHASES) and phases[0]["forward"] > 0
+    page = asyncio.run(get(f"/{name}/steps")).text
+    assert "One row per REST step" in page and "may attend" in page
+
+
+def test_serve_names_a_missing_trace_file(tmp_path, capsys):
+    assert traces_main(["traces", "serve", "--db", str(tmp_path / "none.sqlite")]) == 2
+    assert "no trace file" in capsys.readouterr().err

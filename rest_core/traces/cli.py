@@ -1,10 +1,11 @@
-"""`python -m rest_core traces list | show RUN | export RUN [--html F] [--json F] [--csv F] [--db PATH]`.
+"""`python -m rest_core traces list | show RUN | export RUN [--html F] [--json F] [--csv F] | serve [--db PATH]`.
 
 list   : the recorded runs, newest first
 show   : one run's summary and a table of its steps
 export : a run as one self-contained HTML page with every figure (plotly.js inlined
          once; works offline), as JSON (the run and every step with its draft tree,
          branches and tree-mask block) and/or as CSV (one row per step)
+serve  : the trace file in Datasette, with table descriptions and canned queries
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any, Optional
 
 from rest_core.phases import PHASES
 from rest_core.traces import figures
+from rest_core.traces.datasette import serve
 from rest_core.traces.recorder import TraceRecorder, default_db_path
 from rest_core.traces.rows import RunRow, StepDetail, StepRow
 from rest_core.traces.runs import RUN_COLUMNS, Column, short, tokens_per_s
@@ -139,11 +141,16 @@ def add_traces_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     export.add_argument("--csv", type=Path, default=None, help="one row per step (lists and maps as JSON)")
     export.add_argument("--max-trees", type=int, default=20,
                         help="draw the tree and mask of the first N steps (default 20)")
+    serve = sub.add_parser("serve", parents=[common], help="open the trace file in Datasette (optional extra)")
+    serve.add_argument("--port", type=int, default=8001)
+    serve.add_argument("--host", default="127.0.0.1")
     p.set_defaults(func=run_traces)
     return p
 
 
 def run_traces(args: argparse.Namespace) -> int:
+    if args.traces_command == "serve":
+        return serve(Path(args.db or default_db_path()), port=args.port, host=args.host)
     rec = TraceRecorder(args.db)
     try:
         if args.traces_command == "list":
