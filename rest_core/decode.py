@@ -175,7 +175,7 @@ def plain_generate(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig = D
     else:
         reason = "length" if room == cfg.max_new_tokens else "context"
     wall = time.perf_counter() - start
-    return DecodeResult(list(prompt), out, lm.tokenizer.decode(out, skip_special_tokens=True), steps=len(out),
+    return DecodeResult(list(prompt), out, lm.decode(out), steps=len(out),
                         wall_s=wall, prefill_s=prefill_s, stop_reason=reason)
 
 
@@ -325,7 +325,7 @@ class RestDecoder:
                 res.stop_reason = "context" if step.stop == "length" and room < cfg.max_new_tokens else step.stop
                 break
         res.wall_s = time.perf_counter() - start
-        res.text = lm.tokenizer.decode(res.tokens, skip_special_tokens=True)
+        res.text = lm.decode(res.tokens)
         for store in self.stores:
             store.end(res.tokens, update_history)
         return res

@@ -51,10 +51,13 @@ class LoadedModel:
     source: str  # where the weights came from (folder or hub id)
     device: torch.device
     dtype: torch.dtype
+    eos_ids: Optional[frozenset[int]] = None  # when given, these end a decode instead of the model's own
     _cache_kw: Optional[str] = field(default=None, repr=False)
 
     @property
     def eos_token_ids(self) -> set[int]:
+        if self.eos_ids is not None:
+            return set(self.eos_ids)
         ids = set()
         for value in (getattr(self.model.generation_config, "eos_token_id", None),
                       getattr(self.tokenizer, "eos_token_id", None)):
@@ -70,6 +73,10 @@ class LoadedModel:
             params = inspect.signature(self.model.forward).parameters
             self._cache_kw = "cache" if "cache" in params else "past_key_values"
         return self.model(**inputs, **{self._cache_kw: cache}, use_cache=True)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (empty without a tokenizer)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     @property
     def vocab_size(self) -> int:
