@@ -112,6 +112,21 @@ def _tree_skeleton(nodes: Sequence[Mapping]) -> tuple[go.Figure, list, list]:
     return fig, x, y
 
 
+def _node_traces(nodes: Sequence[Mapping], x: list, y: list):
+    """Per draft source: its nodes and one marker+label trace for them, coloured by the source and sized
+    by score (the root largest); callers add their own text colours, outlines, hover and legend name."""
+    top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
+    for source in source_order(n["source"] for n in nodes):
+        members = [n for n in nodes if n["source"] == source]
+        yield source, members, go.Scatter(
+            x=[x[n["node"]] for n in members], y=[y[n["node"]] for n in members],
+            customdata=[n["node"] for n in members], mode="markers+text",
+            text=[_label(n["token_text"]) for n in members], textposition="top center", hoverinfo="text",
+            marker=dict(color=source_color(source),
+                        size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
+                              for n in members]))
+
+
 def draft_tree_figure(step: StepDetail) -> go.Figure:
     """The draft tree of one step: depth left to right, the accepted path in
     vermillion, node size by retrieval score, colour by source, and at the last
@@ -124,23 +139,13 @@ def draft_tree_figure(step: StepDetail) -> go.Figure:
                              mode="lines", line=dict(color=ACCEPTED, width=6), hoverinfo="skip",
                              name="accepted path"))
 
-    top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
-    for source in source_order(n["source"] for n in nodes):
-        members = [n for n in nodes if n["source"] == source]
-        fig.add_trace(go.Scatter(
-            x=[x[n["node"]] for n in members], y=[y[n["node"]] for n in members],
-            customdata=[n["node"] for n in members], mode="markers+text",
-            text=[_label(n["token_text"]) for n in members], textposition="top center",
-            textfont=dict(size=15, color=[ACCEPTED if n["accepted"] else "#222" for n in members]),
-            marker=dict(color=source_color(source),
-                        size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
-                              for n in members],
-                        line=dict(color=[BONUS if n["node"] == last else ACCEPTED if n["accepted"] else "white"
-                                         for n in members],
-                                  width=[4 if n["accepted"] else 1 for n in members])),
-            hovertext=[_node_hover(n) for n in members], hoverinfo="text",
-            name="root (last committed token)" if source == "" else f"drafted by {source}",
-        ))
+    for source, members, trace in _node_traces(nodes, x, y):
+        trace.update(textfont=dict(size=15, color=[ACCEPTED if n["accepted"] else "#222" for n in members]),
+                     hovertext=[_node_hover(n) for n in members],
+                     name="root (last committed token)" if source == "" else f"drafted by {source}")
+        trace.marker.line = dict(color=[BONUS if n["node"] == last else ACCEPTED if n["accepted"] else "white"
+                                        for n in members], width=[4 if n["accepted"] else 1 for n in members])
+        fig.add_trace(trace)
 
     bonus_y = max(y) + 1  # a row of its own: the model's token is not part of the draft
     fig.add_trace(go.Scatter(x=[x[last], x[last] + 1], y=[y[last], bonus_y], mode="lines",
@@ -322,21 +327,15 @@ def continuation_tree_figure(nodes: Sequence[Mapping]) -> go.Figure:
     fig, x, y = _tree_skeleton(nodes)
     top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
     total = nodes[0]["score"] if nodes and nodes[0]["score"] else top
-    for source in source_order(n["source"] for n in nodes):
-        members = [n for n in nodes if n["source"] == source]
-        fig.add_trace(go.Scatter(
-            x=[x[n["node"]] for n in members], y=[y[n["node"]] for n in members],
-            customdata=[n["node"] for n in members], mode="markers+text",
-            text=[_label(n["token_text"]) for n in members], textposition="top center",
-            textfont=dict(size=15, color="#222"),
-            marker=dict(color=source_color(source), line=dict(color="white", width=1),
-                        size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
-                              for n in members]),
-            hovertext=[f"{_label(n['token_text'])}: depth {n['depth']}, "
-                       + ("the context's last token" if n["node"] == 0 else
-                          f"share of the retrieval weight {100 * (n['score'] or 0) / total:.0f}%")
-                       for n in members],
-            hoverinfo="text", name="last context token" if source == "" else f"from {source_words(source)}"))
+    for source, members, trace in _node_traces(nodes, x, y):
+        trace.update(textfont=dict(size=15, color="#222"),
+                     hovertext=[f"{_label(n['token_text'])}: depth {n['depth']}, "
+                                + ("the context's last token" if n["node"] == 0 else
+                                   f"share of the retrieval weight {100 * (n['score'] or 0) / total:.0f}%")
+                                for n in members],
+                     name="last context token" if source == "" else f"from {source_words(source)}")
+        trace.marker.line = dict(color="white", width=1)
+        fig.add_trace(trace)
     n_leaves = len(nodes) - len({n["parent"] for n in nodes} - {-1})
     return _style(fig, f"The draft tree retrieval proposes: {len(nodes) - 1} tokens",
                   height=max(380, 26 * (n_leaves + 1) + 160), showlegend=True,
