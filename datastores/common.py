@@ -36,6 +36,19 @@ __all__ = [
 ]
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a file whole or not at all: a temporary sibling, then a rename (OSError on failure,
+    leaving no temporary file behind)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def cache_dir() -> Path:
     """REST_LAB_CACHE or ~/.cache/rest-lab, created on demand."""
     d = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "rest-lab").expanduser()

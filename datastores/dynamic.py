@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from datastores.common import (
     empty_lookup,
     gather_continuations,
     query_tail,
+    write_atomic,
 )
 
 _MASK = (1 << 64) - 1
@@ -366,20 +366,17 @@ class HistoryStore(StoreBase):
         answers = self.answers()
         lengths = np.array([a.size for a in answers], dtype=np.int64)
         flat = np.concatenate(answers) if answers else np.empty(0, dtype=np.int64)
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".json":
+            data = json.dumps({"format": "rest-lab-history", "version": 1,
+                               "answers": [a.tolist() for a in answers]}).encode("utf-8")
+        else:
+            buf = io.BytesIO()
+            np.savez(buf, format=np.array("rest-lab-history"), version=np.array(1),
+                     tokens=flat.astype(np.uint32), lengths=lengths)
+            data = buf.getvalue()
         try:
-            if path.suffix == ".json":
-                tmp.write_text(json.dumps({"format": "rest-lab-history", "version": 1,
-                                           "answers": [a.tolist() for a in answers]}), encoding="utf-8")
-            else:
-                buf = io.BytesIO()
-                np.savez(buf, format=np.array("rest-lab-history"), version=np.array(1),
-                         tokens=flat.astype(np.uint32), lengths=lengths)
-                tmp.write_bytes(buf.getvalue())
-            os.replace(tmp, path)
+            write_atomic(path, data)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise DatastoreError(f"cannot save history to {path}: {exc}") from None
 
     def load(self, path: str | Path | None = None) -> None:

@@ -18,14 +18,21 @@ counts order the nodes by that chance.
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from datastores.common import DatastoreError, Lookup, StoreBase, check_lookup_args, empty_lookup, query_tail
+from datastores.common import (
+    DatastoreError,
+    Lookup,
+    StoreBase,
+    check_lookup_args,
+    empty_lookup,
+    query_tail,
+    write_atomic,
+)
 
 BRANCHING = (4, 3, 2, 2, 1, 1, 1, 1, 1, 1)  # children per node at each depth of the drafted tree
 RANK_PRIOR = (0.55, 0.18, 0.08, 0.05, 0.03, 0.02, 0.015, 0.01)  # prior chance the rank-r successor is next
@@ -117,15 +124,11 @@ class RecycleStore(StoreBase):
         path = Path(path) if path is not None else self.path
         if path is None:
             raise DatastoreError("RecycleStore has no path to save to; pass path= here or to the constructor")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
         buf = io.BytesIO()
         np.savez(buf, format=np.array("rest-lab-recycle"), version=np.array(1), table=self.table)
         try:
-            tmp.write_bytes(buf.getvalue())
-            os.replace(tmp, path)
+            write_atomic(path, buf.getvalue())
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise DatastoreError(f"cannot save the model's successor table to {path}: {exc}") from None
 
     def load(self, path: str | Path | None = None) -> None:

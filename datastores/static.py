@@ -137,9 +137,9 @@ class TokenDatastore(StoreBase):
     def label(self) -> str:
         return f"static:{self.name or self.path}"
 
-    def __init__(self, path: Path, meta: dict):
+    def __init__(self, path: Path, meta: dict, name: str | None = None):
         self.path = Path(path)
-        self.name: str | None = None  # shown instead of the path where given
+        self.name = name  # shown instead of the path where given
         self.meta = meta
         self.n_tokens = int(meta["n_tokens"])
         self.n_docs = int(meta["n_docs"])
@@ -189,9 +189,7 @@ class TokenDatastore(StoreBase):
                 raise DatastoreError(f"{fpath} does not match its checksum (corrupt); {rebuild_hint(path)}")
         if tokenizer is not None:
             check_tokenizer(meta, tokenizer, path)
-        store = cls(path, meta)
-        store.name = name
-        return store
+        return cls(path, meta, name)
 
     def _map(self, name: str) -> mmap.mmap:
         with open(self.path / name, "rb") as f:

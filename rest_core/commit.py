@@ -7,7 +7,7 @@ at position prefix + d and lands in slot prefix + d, so nothing is re-rotated.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,7 +36,3 @@ def compact_cache(cache: DynamicCache, prefix_len: int, accepted_nodes: list[int
             values[:, :, prefix_len:prefix_len + keep] = values.index_select(2, idx)
         layer.keys = keys[:, :, :prefix_len + keep]
         layer.values = values[:, :, :prefix_len + keep]
-
-
-def cache_length(cache: Optional[DynamicCache]) -> int:
-    return cache.get_seq_length() if cache is not None else 0

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from datastores import cache_dir
+from datastores.common import cache_dir, write_atomic
 from rest_core.machine import machine_key
 from rest_core.tree import DraftTree, keep_nodes
 
@@ -268,10 +268,7 @@ def _read_json(path: Optional[Path]):
 def _write_json(path: Path, data: dict) -> None:
     """Atomically (temp file + rename); a cache that cannot be written is skipped."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(data).encode("utf-8"))
     except OSError:
         pass
 
