@@ -28,8 +28,8 @@ from rest_core.traces.recorder import TraceRecorder
 DESCRIPTION = "REST Lab: retrieval-based speculative decoding you can see."
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rest_core", description=DESCRIPTION)
+def _parser(prog: str = "python -m rest_core") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="decode one prompt with REST")
     gen.add_argument("--prompt", required=True, help="text to continue (or a question, with --chat)")
@@ -140,8 +140,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m rest_core") -> int:
+    args = _parser(prog).parse_args(argv)
     try:
         return args.func(args)
     except (ModelLoadError, PromptError, DatastoreError, ValueError, FileNotFoundError) as err:
@@ -150,3 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def console_main() -> int:
+    """The `rest-lab` command an installed package puts on the PATH: the same commands as `python -m rest_core`."""
+    return main(prog="rest-lab")

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from rest_core.cost import CostModel
 
 DEFAULT_BUDGET = 16  # draft nodes per step when no cost model decides
+# (prompt + answer so far, how many of them the step just committed) -> how many of those to keep
+# when decoding must stop here, or None to go on
+StopCheck = Callable[[Sequence[int], int], Optional[int]]
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class DecodeResult:
     steps: int  # forward passes after the prefill (one per emitted token for plain decoding)
     wall_s: float  # prefill included
     prefill_s: float
-    stop_reason: str  # "eos" | "length" | "context"
+    stop_reason: str  # "eos" | "length" | "context" | "stopped" (a stop_check said so)
     accepted_drafts: int = 0
     no_draft_steps: int = 0
     draft_tokens: int = 0  # draft nodes sent to the model, all steps
@@ -282,9 +285,12 @@ class RestDecoder:
         self.budget_chooser = budget_chooser
 
     def generate(self, prompt: Sequence[int], cfg: DecodeConfig = DecodeConfig(), hook: Optional[StepHook] = None,
-                 update_history: bool = True) -> DecodeResult:
-        """Decode; `hook` (if any) receives a StepTrace per step; `update_history` lets stores keep the answer."""
-        steps = self._run(prompt, cfg, want_trace=hook is not None, update_history=update_history)
+                 update_history: bool = True, stop_check: Optional[StopCheck] = None) -> DecodeResult:
+        """Decode; `hook` (if any) receives a StepTrace per step; `update_history` lets stores keep the answer;
+        `stop_check(sequence, new)` (if any) sees prompt + answer after each step, `new` of them just committed,
+        and returns how many of those to keep when decoding must stop there (None: go on)."""
+        steps = self._run(prompt, cfg, want_trace=hook is not None, update_history=update_history,
+                          stop_check=stop_check)
         while True:
             try:
                 trace = next(steps)
@@ -298,7 +304,8 @@ class RestDecoder:
         return (yield from self._run(prompt, cfg, want_trace=True, update_history=update_history))
 
     @torch.inference_mode()
-    def _run(self, prompt: Sequence[int], cfg: DecodeConfig, want_trace: bool, update_history: bool):
+    def _run(self, prompt: Sequence[int], cfg: DecodeConfig, want_trace: bool, update_history: bool,
+             stop_check: Optional[StopCheck] = None):
         cfg.validate()
         lm = self.lm
         room = check_prompt(lm, prompt, cfg)
@@ -316,6 +323,10 @@ class RestDecoder:
         context = list(prompt)
         while len(res.tokens) < room:
             step = rest_step(lm, cache, context, self.stores, cfg, max_budget, chooser, gen, room - len(res.tokens))
+            keep = stop_check(context, len(step.new_tokens)) if stop_check is not None else None
+            if keep is not None and (step.stop is None or keep < len(step.new_tokens)):
+                del step.new_tokens[keep:]
+                step.stop = "stopped"
             _tally(res, step)
             if chooser is not None:
                 chooser.observe(step.tree, step.verdict.accepted_nodes, step.timings_ms["forward"])

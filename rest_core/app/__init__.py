@@ -11,11 +11,12 @@ Public face:
 * `chat_turn`, `race` (live) -- a decode as a stream of `View`s, redrawn from the recorded steps.
 * `step_view`, `explain_step`, `run_table` (replay) -- recorded runs replayed without the model.
 * `explore` (explorer) -- what retrieval would draft for a context.
-* `Page` and the event handlers (page) -- what each control of app.py does (imported by app.py
-  directly, not re-exported here: it needs gradio).
+* `Page` and the event handlers (page) -- what each control of the page does; `build_demo`,
+  `launch`, `main` (ui) -- the page itself, one builder per tab (app.py and `rest-lab-app` serve
+  it). Neither is re-exported here: both need gradio.
 
 Modules import downstream only: settings → engine → session → decoding / streaming / panels →
-live, replay → explorer.
+live, replay → explorer → page → ui.
 """
 from rest_core.app.engine import Engine, ModelSlot, StoreSlot
 from rest_core.app.explorer import explore

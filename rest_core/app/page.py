@@ -24,9 +24,12 @@ try:  # on Hugging Face Spaces with ZeroGPU the decode handlers borrow a GPU
     import spaces
 
     on_gpu = spaces.GPU(duration=120)
+    GPU_WRAPPER = "spaces.GPU"  # a no-op where ZeroGPU is not set up
 except ImportError:
     def on_gpu(fn: Callable) -> Callable:
         return fn
+
+    GPU_WRAPPER = ""
 
 
 class Page:

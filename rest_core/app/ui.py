@@ -1,0 +1,344 @@
+"""REST Lab's page: one builder per tab and the wiring of the page's events to their handlers.
+
+`python app.py` (a checkout) and `rest-lab-app` (an installed package) serve it on
+127.0.0.1:7860 (GRADIO_SERVER_NAME and GRADIO_SERVER_PORT, or --host and --port, override).
+Handlers live in rest_core/app/page.py, what they do with the decoder in rest_core.app,
+the figures in rest_core.traces.figures.  Tests build the page with a small model and store:
+`build_demo(lm_factory=..., store_factory=...)`.  Importing this module touches no file but
+the page's own assets: the trace store opens on first use, old session folders are pruned on launch.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import gradio as gr
+
+from rest_core import app as lab
+from rest_core.app.page import (
+    GPU_WRAPPER,
+    Page,
+    bound,
+    on_build,
+    on_chat,
+    on_clear,
+    on_explore,
+    on_load,
+    on_race,
+    on_table,
+    open_run_steps,
+    pick_history,
+    refresh_runs,
+    show_step,
+    step_back,
+    step_forward,
+    tick_play,
+    tick_status,
+    to_steps_tab,
+    toggle_play,
+)
+from rest_core.model import DEFAULT_MODEL
+from rest_core.phases import PHASE_NOTES, PHASES
+
+
+def _assets() -> Path:
+    """The page's stylesheet and texts: assets/ of a checkout, or the copy an installed package carries."""
+    checkout = Path(__file__).resolve().parents[2] / "assets"
+    return checkout if (checkout / "app.css").is_file() else Path(__file__).resolve().parent / "assets"
+
+
+ASSETS = _assets()
+CSS = (ASSETS / "app.css").read_text(encoding="utf-8")
+LAUNCH_OPTIONS = dict(css=CSS, theme=gr.themes.Soft(primary_hue="blue"), max_file_size="20mb")
+UPLOAD_TYPES = ["text", ".py", ".md", ".json", ".js", ".ts", ".c", ".h", ".cpp", ".java", ".rs", ".go", ".rb", ".sh",
+                ".toml", ".yaml", ".yml", ".csv", ".html", ".css", ".ipynb", ".tex", ".rst"]
+EXAMPLES = [["Write a Python function that checks whether a string is a palindrome.", "chat"],
+            ["What is speculative decoding? Answer in two sentences.", "chat"],
+            ["import argparse\n\n\ndef main():\n    parser = argparse.ArgumentParser(", "completion"],
+            ["class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+             "completion"]]
+
+INTRO = (ASSETS / "intro.md").read_text(encoding="utf-8")
+READING_THE_PAGE = (ASSETS / "reading-the-page.md").read_text(encoding="utf-8")
+
+
+def how_it_works() -> str:
+    """The "How it works" tab: the phases of one step, in rest_core.phases' words."""
+    steps = "\n".join(f"{i}. **{phase.capitalize()}**: {PHASE_NOTES[phase]}." for i, phase in enumerate(PHASES, 1))
+    return f"### One REST step\n{steps}\n\n{READING_THE_PAGE}"
+
+
+def phase_heading(*phases: str) -> str:
+    """A step-through panel's heading: its phases' numbers and names, and what each does."""
+    notes = " ".join(f"{phase.capitalize()}: {PHASE_NOTES[phase]}." for phase in phases)
+    return f"##### {' → '.join(lab.phase_title(p) for p in phases)}\n{notes}"
+
+
+# ---------------------------------------------------------------- builders, one per part of the page
+
+def build_sidebar(page: Page, defaults: lab.Settings) -> None:
+    """The settings, one control per field of Settings (page.settings), and the upload box."""
+    with gr.Sidebar(open=True, width=340):
+        gr.Markdown("### Settings")
+        s = page.settings
+        s["model"] = gr.Dropdown(sorted({DEFAULT_MODEL, defaults.model}), value=defaults.model, label="Model",
+                                 allow_custom_value=True, info="The offline default, or a Hugging Face id / local "
+                                                               "folder where the hub is reachable.")
+        s["mode"] = gr.Radio(["chat", "completion"], value=defaults.mode, label="Prompt format",
+                             info="chat: the model's chat template, multi-turn. completion: the text or code is "
+                                  "continued as it is.")
+        s["static"] = gr.Radio([lab.BUILT_IN, lab.UPLOADED, lab.NO_STATIC], value=defaults.static, label="Datastore",
+                               info="The static store drafts are retrieved from.")
+        s["request_store"] = gr.Checkbox(defaults.request_store,
+                                         label="Request store: the prompt and the answer so far")
+        s["history_store"] = gr.Checkbox(defaults.history_store, label="History store: your earlier answers")
+        s["model_drafts"] = gr.Checkbox(defaults.model_drafts, label="Model's own predictions (recycled tokens)",
+                                        elem_id="model-drafts",
+                                        info="What the model predicted after a token earlier is drafted again. "
+                                             "Learned from your decodes (on top of command-line runs'); never "
+                                             "saved or shared.")
+        with gr.Accordion("Your files → your datastore", open=False):
+            page.uploads = gr.File(file_count="multiple", label="Text or code files (20 MB in all)",
+                                   elem_id="uploads", file_types=UPLOAD_TYPES)
+            page.build_btn = gr.Button("Build my datastore", size="sm", elem_id="build-btn")
+            page.upload_status = gr.Markdown("Only you can draft from the files you upload; they are deleted "
+                                             "when you leave.", elem_id="upload-status")
+        s["max_new_tokens"] = gr.Slider(1, 512, value=defaults.max_new_tokens, step=1, label="Max new tokens")
+        s["decoding"] = gr.Radio(["greedy", "sampling"], value=defaults.decoding, label="Decoding",
+                                 info="greedy: REST output = plain output, token for token. sampling: exact "
+                                      "speculative sampling, same distribution as plain sampling.")
+        with gr.Group():
+            s["temperature"] = gr.Slider(0.05, 2.0, value=defaults.temperature, step=0.05, label="Temperature")
+            s["top_p"] = gr.Slider(0.05, 1.0, value=defaults.top_p, step=0.05, label="Top-p")
+            s["seed"] = gr.Number(defaults.seed, precision=0, label="Seed (empty: random)")
+        s["budget_mode"] = gr.Radio(["auto", "fixed"], value=defaults.budget_mode, label="Draft budget",
+                                    info="auto: the number of draft tokens per step is chosen from this machine's "
+                                         "measured forward-pass cost. fixed: always the budget below.")
+        s["budget"] = gr.Slider(0, 64, value=defaults.budget, step=1, label="Fixed budget (draft tokens per step)")
+        s["n_max"] = gr.Slider(1, 32, value=defaults.n_max, step=1, label="Longest suffix looked up (n_max)",
+                               info="The last n_max tokens are searched first, then shorter suffixes.")
+        s["n_min"] = gr.Slider(1, 8, value=defaults.n_min, step=1, label="Shortest suffix that counts (n_min)")
+        s["continuation_len"] = gr.Slider(1, 32, value=defaults.continuation_len, step=1,
+                                          label="Continuation length (deepest draft)")
+    page.settings = {name: s[name] for name in lab.SETTING_NAMES}  # Settings' order, every field
+
+
+def build_chat_tab(page: Page) -> None:
+    with gr.Tab("Chat", id="chat"), gr.Row(equal_height=False):
+        with gr.Column(scale=4, min_width=380):
+            gr.HTML(lab.origin_legend_html())
+            page.chatbot = gr.Chatbot(height=600, label="REST's answer, tinted by origin", show_label=False,
+                                      elem_id="chatbot", buttons=["copy"], feedback_options=None,
+                                      placeholder="Ask something, or switch to completion and paste code.")
+            page.message = gr.Textbox(placeholder="Ask a question, or paste code to continue… (Enter sends)",
+                                      lines=1, max_lines=12, show_label=False, elem_id="prompt", submit_btn=True,
+                                      stop_btn=True)
+            with gr.Row():
+                page.clear = gr.Button("Clear chat", size="sm", variant="secondary")
+            gr.Examples(EXAMPLES, inputs=[page.message, page.settings["mode"]], label="Examples")
+        with gr.Column(scale=7, min_width=480):
+            page.metrics = gr.HTML(lab.metrics_html([], 0.0, state="idle"), elem_id="metrics")
+            page.tree_plot = gr.Plot(label="Draft tree of the latest step (accepted path in red)",
+                                     elem_id="tree-plot")
+            page.mask_plot = gr.Plot(label="Tree attention mask of the latest step", elem_id="mask-plot")
+            page.speed_plot = gr.Plot(label="Speed", elem_id="speed-plot")
+
+
+def build_race_tab(page: Page) -> None:
+    with gr.Tab("Race", id="race"):
+        gr.Markdown("The same prompt, decoded **plainly** (one forward pass per token) and **with REST**, with the "
+                    "settings on the left. On one machine they run **one after the other**, each timed alone; the "
+                    "check compares the two outputs token by token.")
+        page.race_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="race-prompt",
+                                      value="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+        with gr.Row():
+            page.race_btn = gr.Button("Race", variant="primary", elem_id="race-btn")
+            page.race_stop = gr.Button("Stop", variant="stop")
+        with gr.Row(equal_height=True):
+            with gr.Column():
+                gr.Markdown("#### Plain decoding")
+                page.race_plain = gr.Textbox(lines=12, max_lines=24, show_label=False, elem_id="race-plain")
+            with gr.Column():
+                gr.Markdown("#### REST (tinted by origin)")
+                page.race_rest = gr.HTML(elem_id="race-rest", elem_classes="race-rest")
+        page.race_verdict = gr.HTML(elem_id="race-verdict")
+        page.race_speed = gr.Plot(label="Speed", elem_id="race-speed")
+
+
+def build_steps_tab(page: Page) -> None:
+    """Step through a recorded run: one panel per phase of the step, in the phases' order."""
+    with gr.Tab("Step through", id="steps"):
+        with gr.Row():
+            page.run_pick = gr.Dropdown([], label="Run", scale=4, elem_id="run-pick", allow_custom_value=False)
+            page.refresh_runs = gr.Button("↻ Refresh", scale=0, size="sm")
+        page.step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="step-slider")
+        with gr.Row():
+            page.back = gr.Button("◀ Back", elem_id="step-back")
+            page.play = gr.Button("▶ Play", elem_id="step-play")
+            page.forward = gr.Button("Forward ▶", elem_id="step-forward")
+        page.explanation = gr.Markdown(elem_id="step-explanation", elem_classes="explanation")
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                gr.Markdown(phase_heading("retrieve"), elem_classes="phase-head")
+                page.suffix = gr.HTML(elem_id="step-suffix")
+                page.branches = gr.Dataframe(headers=lab.BRANCH_HEADERS, interactive=False, max_height=300, wrap=True,
+                                             column_widths=["18%", "66%", "16%"])
+            with gr.Column():
+                gr.Markdown(phase_heading("tree"), elem_classes="phase-head")
+                page.step_tree = gr.Plot(show_label=False, elem_id="step-tree")
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                gr.Markdown(phase_heading("forward"), elem_classes="phase-head")
+                page.step_mask = gr.Plot(show_label=False, elem_id="step-mask")
+            with gr.Column():
+                gr.Markdown(phase_heading("verify", "commit"), elem_classes="phase-head")
+                page.path = gr.HTML(elem_id="step-path")
+                page.choices = gr.Dataframe(headers=lab.CHOICE_HEADERS, interactive=False, max_height=300, wrap=True,
+                                            column_widths=["9%", "9%", "20%", "14%", "11%", "24%", "13%"])
+        page.play_timer = gr.Timer(1.5, active=False)
+        page.playing = gr.State(False)
+
+
+def build_history_tab(page: Page) -> None:
+    with gr.Tab("Run history", id="history") as page.history_tab:
+        gr.Markdown("Your runs (and runs recorded from the command line), replayed from the trace store without "
+                    "the model. Click a row to open it.")
+        page.refresh_table = gr.Button("↻ Refresh", size="sm")
+        page.runs_table = gr.Dataframe(headers=lab.RUN_TABLE_HEADERS, interactive=False, max_height=320,
+                                       elem_id="runs-table")
+        with gr.Row():
+            page.open_steps = gr.Button("Step through this run", size="sm")
+        page.history_text = gr.HTML(elem_id="history-text")
+        page.history_speed = gr.Plot(label="Speed", elem_id="history-speed")
+        with gr.Row():
+            page.history_accept = gr.Plot(label="Accepted draft tokens per step")
+            page.history_phases = gr.Plot(label="Where the time goes")
+
+
+def build_explorer_tab(page: Page) -> None:
+    with gr.Tab("Datastore explorer", id="explorer"):
+        gr.Markdown("Type a context: see the longest suffix each store holds, what followed it there, and the "
+                    "draft tree REST would build from it (no model run; the stores and suffix lengths come from "
+                    "the settings on the left).")
+        with gr.Row():
+            page.explore_text = gr.Textbox("    for i in range(len(", label="Context", lines=3, scale=4,
+                                           elem_id="explore-text")
+            with gr.Column(scale=1):
+                page.explore_budget = gr.Slider(1, 64, value=24, step=1, label="Draft budget")
+                page.explore_btn = gr.Button("Look up", variant="primary", elem_id="explore-btn")
+        page.explore_summary = gr.Markdown(elem_id="explore-summary")
+        page.explore_suffix = gr.HTML()
+        with gr.Row(equal_height=False):
+            page.explore_rows = gr.Dataframe(headers=lab.BRANCH_HEADERS, interactive=False, max_height=520, wrap=True,
+                                             scale=2, column_widths=["18%", "66%", "16%"])
+            page.explore_tree = gr.Plot(label="Draft tree", elem_id="explore-tree", scale=3)
+
+
+# ---------------------------------------------------------------- handlers (page first, bound by `bound`)
+
+# ---------------------------------------------------------------- wiring
+
+def wire_page(page: Page) -> None:
+    """Page load, the status line, the upload box and the Chat tab."""
+    page.demo.load(bound(on_load, page), [page.session], [page.session, page.run_pick, page.status])
+    page.status_timer.tick(bound(tick_status, page), None, [page.status, page.status_timer], show_progress="hidden",
+                           concurrency_limit=None, api_visibility="private")
+    page.build_btn.click(bound(on_build, page), [page.uploads, page.session, page.settings["model"]],
+                         [page.upload_status, page.settings["static"], page.session, page.notice],
+                         api_name="build_datastore", concurrency_id="build", concurrency_limit=1)
+    chat_event = page.message.submit(
+        bound(on_chat, page), [page.message, page.session, *page.settings.values()],
+        [page.chatbot, page.tree_plot, page.mask_plot, page.speed_plot, page.metrics, page.notice, page.message,
+         page.session, page.run_pick, page.status],
+        api_name="chat", concurrency_id="model", concurrency_limit=1, show_progress="minimal")
+    page.message.stop(None, None, None, cancels=[chat_event])
+    page.clear.click(bound(on_clear, page), [page.session], [page.chatbot, page.session, page.notice],
+                     api_name="clear")
+    race_event = page.race_btn.click(
+        bound(on_race, page), [page.race_prompt, page.session, *page.settings.values()],
+        [page.race_plain, page.race_rest, page.race_verdict, page.race_speed, page.notice, page.session,
+         page.run_pick], api_name="race", concurrency_id="model", concurrency_limit=1, show_progress="minimal")
+    page.race_stop.click(None, None, None, cancels=[race_event])
+
+
+def wire_replay(page: Page) -> None:
+    """Step through, Run history and the Datastore explorer."""
+    step_in = [page.run_pick, page.step_slider, page.session]
+    step_out = [page.explanation, page.suffix, page.branches, page.choices, page.path, page.step_tree,
+                page.step_mask, page.session]
+    private = dict(api_visibility="private")
+    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.session],
+                         [page.step_slider, page.play_timer, page.playing, page.play], **private).then(
+        bound(show_step, page), step_in, step_out, **private)
+    page.step_slider.change(bound(show_step, page), step_in, step_out, api_name="step", trigger_mode="always_last",
+                            concurrency_limit=4, show_progress="hidden")
+    page.back.click(bound(step_back, page), step_in, [page.step_slider], **private)
+    page.forward.click(bound(step_forward, page), step_in, [page.step_slider], **private)
+    page.play.click(bound(toggle_play, page), [page.playing], [page.playing, page.play_timer, page.play], **private)
+    page.play_timer.tick(bound(tick_play, page), step_in, [page.step_slider, page.playing, page.play_timer,
+                                                           page.play], show_progress="hidden", **private)
+    page.refresh_runs.click(bound(refresh_runs, page), [page.session], [page.run_pick], **private)
+    page.refresh_table.click(bound(on_table, page), [page.session], [page.runs_table, page.session], api_name="runs")
+    page.history_tab.select(bound(on_table, page), [page.session], [page.runs_table, page.session], **private)
+    page.runs_table.select(bound(pick_history, page), [page.session],
+                           [page.history_text, page.history_speed, page.history_accept, page.history_phases,
+                            page.run_pick, page.session], **private)
+    page.open_steps.click(bound(to_steps_tab, page), None, [page.tabs], **private)
+    explore_in = [page.explore_text, page.explore_budget, page.session, *page.settings.values()]
+    explore_out = [page.explore_summary, page.explore_suffix, page.explore_rows, page.explore_tree, page.session]
+    page.explore_btn.click(bound(on_explore, page), explore_in, explore_out, api_name="explore", concurrency_limit=2)
+    page.explore_text.submit(bound(on_explore, page), explore_in, explore_out, concurrency_limit=2, **private)
+
+
+def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Callable] = None,
+               cost_factory: Optional[Callable] = None, trace_db: Optional[str] = None, preload: bool = True,
+               defaults: Optional[lab.Settings] = None) -> gr.Blocks:
+    """The page. Factories replace the default model, built-in store and cost model (tests);
+    `defaults` sets the controls' initial values; `preload` loads the default model and store
+    in the background when the first page opens. Nothing is read or written until it is used."""
+    page = Page(lab.Engine(lm_factory=lm_factory, store_factory=store_factory, cost_factory=cost_factory,
+                       trace_db=trace_db), preload)
+    with gr.Blocks(title="REST Lab", fill_width=True) as demo:
+        demo.engine, page.demo = page.engine, demo
+        page.session = gr.State(None, delete_callback=lab.discard_session)
+        build_sidebar(page, defaults or lab.Settings())
+        gr.Markdown(INTRO, elem_classes="intro")
+        page.status = gr.Markdown(page.engine.status(), elem_classes="status")
+        page.notice = gr.Markdown("", visible=False, elem_classes="notice", elem_id="notice")
+        page.status_timer = gr.Timer(2.0)
+        with gr.Tabs() as page.tabs:
+            build_chat_tab(page)
+            build_race_tab(page)
+            build_steps_tab(page)
+            build_history_tab(page)
+            build_explorer_tab(page)
+            with gr.Tab("How it works", id="about"):
+                gr.Markdown(how_it_works())
+        wire_page(page)
+        wire_replay(page)
+    return demo
+
+
+def launch(app: gr.Blocks, **options: Any) -> Any:
+    """Launch with the page's look and upload limit (tests pass prevent_thread_lock, a port...);
+    session folders a previous server left behind are removed first."""
+    lab.prune_sessions()
+    return app.launch(**{**LAUNCH_OPTIONS, **options})
+
+
+def main(demo: Optional[gr.Blocks] = None, argv: Optional[list[str]] = None) -> None:
+    """Serve the page until interrupted (`python app.py`, `rest-lab-app`)."""
+    parser = argparse.ArgumentParser(prog="rest-lab-app", description="Serve REST Lab's page in the browser.")
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+                        help="address to listen on (default 127.0.0.1, or GRADIO_SERVER_NAME)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)),
+                        help="port (default 7860, or GRADIO_SERVER_PORT)")
+    args = parser.parse_args(argv)
+    demo = demo or build_demo()
+    if GPU_WRAPPER:
+        print(f"REST Lab: the decode handlers run under {GPU_WRAPPER} (the spaces package is installed).", flush=True)
+    demo.queue(max_size=64)
+    launch(demo, server_name=args.host, server_port=args.port)
