@@ -14,8 +14,12 @@ Public face:
 * `Page` and the event handlers (page) -- what each control of app.py does (imported by app.py
   directly, not re-exported here: it needs gradio).
 
-Modules import downstream only: settings → engine → session → decoding / streaming / panels →
-live, replay → explorer.
+* `Policy` (policy) -- public mode: which models a visitor may use, and every limit; `Turns` (turns) --
+  the line of decodes; `Recording` (recording) -- a run's recording, which never stops its decode;
+  `UploadGuard` (guard) -- the upload route's guard on a public server.
+
+Modules import downstream only: settings → policy → turns → engine → session → recording →
+decoding / streaming / panels → live, replay → explorer; guard after session.
 """
 from rest_core.app.engine import Engine, ModelSlot, StoreSlot
 from rest_core.app.explorer import explore
