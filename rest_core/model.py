@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -171,6 +172,7 @@ def ensure_default_model() -> str:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_conversions(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
@@ -181,6 +183,16 @@ def ensure_default_model() -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def _remove_stale_conversions(folder: Path, max_age_s: float = 3600.0) -> None:
+    """Remove half-written copies a killed conversion left (a running one is minutes old at most)."""
+    for d in folder.glob(".convert-*"):
+        try:
+            if time.time() - d.stat().st_mtime > max_age_s:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def resolve_source(model: Optional[str]) -> tuple[str, str]:

@@ -15,8 +15,12 @@ Public face:
   `launch`, `main` (ui) -- the page itself, one builder per tab (app.py and `rest-lab-app` serve
   it). Neither is re-exported here: both need gradio.
 
-Modules import downstream only: settings → engine → session → decoding / streaming / panels →
-live, replay → explorer → page → ui.
+* `Policy` (policy) -- public mode: which models a visitor may use, and every limit; `Turns` (turns) --
+  the line of decodes; `Recording` (recording) -- a run's recording, which never stops its decode;
+  `UploadGuard` (guard) -- the upload route's guard on a public server.
+
+Modules import downstream only: settings → policy → turns → engine → session → recording →
+decoding / streaming / panels → live, replay → explorer → page → ui; guard after session.
 """
 from rest_core.app.engine import Engine, ModelSlot, StoreSlot
 from rest_core.app.explorer import explore

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from datastores import assemble_stores, store_labels
 from rest_core.app.engine import Engine, ModelSlot
+from rest_core.app.recording import Recording, start_recording
 from rest_core.app.session import Session, open_upload_store
 from rest_core.app.settings import NO_STATIC, STORE_WAIT_S, UPLOADED, Cancelled, Settings, message_of
 from rest_core.app.streaming import Emit
@@ -92,15 +93,17 @@ def prepare(engine: Engine, session: Session, settings: Settings, message: str, 
     return Prepared(slot, cfg, prompt_ids, decoder, notice)
 
 
-def start_run(engine: Engine, prep: Prepared, settings: Settings, session: Session, prompt_text: str) -> int:
-    """Record a new run of this visitor's (its steps follow as they are decoded)."""
+def start_run(engine: Engine, prep: Prepared, settings: Settings, session: Session, prompt_text: str) -> Recording:
+    """Record a new run of this visitor's (its steps follow as they are decoded); a store that refuses
+    gives a Recording that records nothing and says why."""
     lm = prep.slot.lm
-    run_id = engine.recorder.start_run(
+    recording = start_recording(engine, session.id, lm.tokenizer, dict(
         model=lm.name, tokenizer_name=str(getattr(lm.tokenizer, "name_or_path", lm.name)),
         stores=store_labels(prep.decoder.stores), settings=settings.record(session.id), prompt=prompt_text,
-        prompt_tokens=list(prep.prompt_ids))
-    session.run_ids.append(run_id)
-    return run_id
+        prompt_tokens=list(prep.prompt_ids)))
+    if recording.run_id is not None:
+        session.run_ids.append(recording.run_id)
+    return recording
 
 
 def _decode(prep: Prepared, hook: Callable[[StepTrace], None], emit: Emit, defer_recording: bool) -> DecodeResult:
@@ -121,26 +124,27 @@ def _decode(prep: Prepared, hook: Callable[[StepTrace], None], emit: Emit, defer
         else:
             hook(trace)
             emit(("step", trace.step))
+            emit(("tokens", trace.new_tokens))
     for trace in deferred:
         hook(trace)
     return result
 
 
-def rest_work(engine: Engine, prep: Prepared, run_id: int, defer_recording: bool = False) -> Callable[[Emit], Any]:
+def rest_work(engine: Engine, prep: Prepared, recording: Recording,
+              defer_recording: bool = False) -> Callable[[Emit], Any]:
     """The worker side of a REST decode: record every step, tell the page, finish the run, save the
     cost model's counts."""
     def work(emit: Emit) -> DecodeResult:
-        rec = engine.recorder
         with prep.slot.lock:
             try:
-                result = _decode(prep, rec.step_hook(run_id, prep.slot.lm.tokenizer), emit, defer_recording)
+                result = _decode(prep, recording.hook, emit, defer_recording)
             except BaseException as err:
                 stopped = isinstance(err, Cancelled)
-                rec.finish_run(run_id, status="stopped" if stopped else "failed",
-                               error="stopped by the visitor" if stopped else message_of(err))
+                recording.finish(status="stopped" if stopped else "failed",
+                                 error="stopped by the visitor" if stopped else message_of(err))
                 raise
-            rec.finish_run(run_id, output=result.text, new_tokens=result.new_tokens, steps=result.steps,
-                           wall_s=result.wall_s, mean_accepted=result.mean_accepted, status="done")
+            recording.finish(output=result.text, new_tokens=result.new_tokens, steps=result.steps,
+                             wall_s=result.wall_s, mean_accepted=result.mean_accepted, status="done")
             if prep.decoder.budget_chooser is not None:
                 prep.decoder.budget_chooser.save_stats()
             return result

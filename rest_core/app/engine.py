@@ -8,6 +8,8 @@ opened on first use.
 """
 from __future__ import annotations
 
+import gc
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,12 +19,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from datastores import Store, default_store_path, open_default_store, store_labels
+from rest_core.app.policy import Policy, markdown_text
 from rest_core.app.settings import MAX_MODELS, log, message_of
+from rest_core.app.turns import Turns
 from rest_core.cost import CostModel
-from rest_core.model import DEFAULT_MODEL, LoadedModel, load_model, load_tokenizer
-from rest_core.traces.recorder import TraceRecorder
+from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model, load_tokenizer
+from rest_core.traces.recorder import TraceRecorder, default_db_path
 
 CostFactory = Callable[[LoadedModel, Sequence[Store]], Any]
+STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
+MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
+TRACE_BUSY_S = 5.0  # how long a write waits for a trace store another program holds
 
 
 @dataclass
@@ -35,6 +42,7 @@ class StoreSlot:
     started: float = 0.0
     path: Optional[Path] = None  # where it is being built (for progress), when known
     finished: threading.Event = field(default_factory=threading.Event)
+    failed_at: float = 0.0
 
 
 @dataclass
@@ -89,7 +97,8 @@ def _store_line(engine: Engine, st: StoreSlot) -> str:
                     f"only; it takes a few minutes: {engine.store_progress(st)}). Until it is ready, "
                     "answers draft from the request and history stores only",
         "ready": f"built-in datastore ready ({getattr(st.store, 'n_tokens', 0):,} tokens)",
-        "failed": f"⚠ built-in datastore unavailable: {st.error}",
+        "failed": f"⚠ built-in datastore unavailable ({markdown_text(st.error, 200)}); tried again after "
+                  f"{STORE_RETRY_S:.0f} s",
         "off": "no built-in datastore",
     }[st.state]
 
@@ -104,7 +113,12 @@ class Engine:
     def __init__(self, lm_factory: Callable[[str], LoadedModel] | None = None,
                  store_factory: Callable[[Any], Any] | None = None,
                  cost_factory: CostFactory | None = None,
-                 recorder: TraceRecorder | None = None, trace_db: str | Path | None = None):
+                 recorder: TraceRecorder | None = None, trace_db: str | Path | None = None,
+                 policy: Policy | None = None):
+        self.policy = policy or Policy.from_env()
+        self.turns = Turns(self.policy.max_waiting if self.policy.public else None, one_each=self.policy.public)
+        self.trace_notice = ""  # what went wrong with the trace store, for the status line
+        self.unfinished: dict[int, dict] = {}  # run id -> the outcome its finish could not write yet
         self.lm_factory = lm_factory or load_model
         self.store_factory = store_factory or default_store_factory
         self.watch_store_build = store_factory is None
@@ -122,46 +136,93 @@ class Engine:
 
     @property
     def recorder(self) -> TraceRecorder:
-        """The trace store, opened (and its schema created) on first use."""
+        """The trace store, opened (and its schema created) on first use.  An unreadable file is kept
+        beside under another name and a fresh store started (the status line says so); a store that
+        cannot be opened at all raises sqlite3.Error / OSError, which the handlers turn into a message."""
         with self._state_lock:
             if self._recorder is None:
-                self._recorder = TraceRecorder(self.trace_db)
+                self._recorder = self._open_recorder()
             return self._recorder
+
+    def _open_recorder(self) -> TraceRecorder:
+        limit = self.policy.max_trace_bytes if self.policy.public else None
+        try:
+            return TraceRecorder(self.trace_db, busy_timeout_s=TRACE_BUSY_S, max_bytes=limit)
+        except sqlite3.DatabaseError as err:
+            if isinstance(err, sqlite3.OperationalError):  # locked, unwritable: not the file's fault
+                raise
+            path = Path(self.trace_db) if self.trace_db is not None else default_db_path()
+            kept = path.with_name(f"{path.stem}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+            log.error("trace store %s is unreadable (%s); kept as %s, starting a fresh one", path, err, kept)
+            for suffix in ("", "-wal", "-shm"):
+                src = path.with_name(path.name + suffix)
+                if src.exists():
+                    src.rename(kept.with_name(kept.name + suffix))
+            self.trace_notice = (f"⚠ The trace store was unreadable ({markdown_text(str(err), 80)}); it was kept as "
+                                 f"{kept.name} and new runs are recorded in a fresh one.")
+            return TraceRecorder(self.trace_db, busy_timeout_s=TRACE_BUSY_S, max_bytes=limit)
 
     @staticmethod
     def canonical(name: Optional[str]) -> str:
+        if not isinstance(name, (str, type(None))):
+            raise ModelLoadError(f"The model must be given by its name, not a {type(name).__name__}.")
         name = (name or "").strip()
         return DEFAULT_MODEL if name.lower() in ("", "default", DEFAULT_MODEL.lower()) else name
 
     def model(self, name: Optional[str]) -> ModelSlot:
-        """The loaded model (loading it now if needed; raises ModelLoadError with a clear message)."""
+        """The loaded model (loading it now if needed; raises ModelLoadError with a clear message, also for a
+        model a public server does not offer)."""
         name = self.canonical(name)
-        slot = self.models.get(name)
+        self.policy.check_model(name)
+        slot = self._touch(name)
         if slot is not None:
             return slot
         with self._load_lock:  # one load at a time: two visitors asking for the same model share it
-            slot = self.models.get(name)
+            slot = self._touch(name)
             if slot is not None:
                 return slot
+            self._evict(MAX_MODELS - 1)  # make room before loading, not after
             self.loading[name] = time.time()
             try:
                 lm = self.lm_factory(name)
             except Exception as err:
+                self.load_errors.pop(name, None)
                 self.load_errors[name] = message_of(err)
+                while len(self.load_errors) > MAX_LOAD_ERRORS:
+                    self.load_errors.pop(next(iter(self.load_errors)))
                 raise
             finally:
                 self.loading.pop(name, None)
             self.load_errors.pop(name, None)
             slot = ModelSlot(lm=lm, cost_factory=self.cost_factory)
-            while len(self.models) >= MAX_MODELS:  # forget the oldest; a decode holding it keeps it alive
-                self.models.pop(next(iter(self.models)))
+            self._evict(MAX_MODELS - 1)
             self.models[name] = slot
             return slot
+
+    def _touch(self, name: str) -> Optional[ModelSlot]:
+        """The loaded model, now the most recently used one (None when not loaded)."""
+        with self._state_lock:
+            slot = self.models.pop(name, None)
+            if slot is not None:
+                self.models[name] = slot
+            return slot
+
+    def _evict(self, keep: int) -> None:
+        """Forget the least recently used models until `keep` remain (a decode holding one keeps it alive
+        until it ends); their memory is freed now."""
+        with self._state_lock:
+            if len(self.models) <= keep:
+                return
+            while len(self.models) > max(0, keep):
+                self.models.pop(next(iter(self.models)))
+        gc.collect()
 
     def start_static(self, slot: ModelSlot) -> StoreSlot:
         """Open (or build, the first time on this machine) the built-in store in the background."""
         st = slot.static
         with self._state_lock:
+            if st.state == "failed" and time.time() - st.failed_at >= STORE_RETRY_S:
+                st.state, st.error, st.finished = "idle", "", threading.Event()  # try the build again
             if st.state != "idle":
                 return st
             st.state, st.started = "building", time.time()
@@ -175,7 +236,7 @@ class Engine:
             st.store = self.store_factory(slot.lm.tokenizer)
             st.state = "ready" if st.store is not None else "off"
         except Exception as err:  # shown on the page
-            st.error, st.state = message_of(err), "failed"
+            st.error, st.state, st.failed_at = message_of(err), "failed", time.time()
         finally:
             st.finished.set()
 
@@ -209,15 +270,17 @@ class Engine:
         """One line per model: loading / loaded, and the state of its built-in store."""
         lines = []
         for name, since in list(self.loading.items()):
-            lines.append(f"Loading model **{name}** ({time.time() - since:.0f} s so far; the very first load "
-                         "on a machine converts the offline copy, about 30 s).")
+            lines.append(f"Loading model **{markdown_text(name)}** ({time.time() - since:.0f} s so far; the very "
+                         "first load on a machine converts the offline copy, about 30 s).")
         for name, error in list(self.load_errors.items()):
-            if name not in self.models:
-                lines.append(f"⚠ Model **{name}** could not be loaded: {error}")
+            if name not in self.models and self.policy.offers(name):
+                lines.append(f"⚠ Model **{markdown_text(name)}** could not be loaded: {markdown_text(error, 300)}")
         for name, slot in list(self.models.items()):
             lm = slot.lm
-            lines.append(f"✓ Model **{name}** on {lm.device.type} ({str(lm.dtype).split('.')[-1]}); "
+            lines.append(f"✓ Model **{markdown_text(name)}** on {lm.device.type} ({str(lm.dtype).split('.')[-1]}); "
                          f"{_store_line(self, slot.static)}.")
+        if self.trace_notice:
+            lines.append(self.trace_notice)
         return "\n\n".join(lines) or "Starting: the model loads on first use."
 
     def tokenizer_for(self, name: Optional[str]) -> Any:
@@ -226,6 +289,8 @@ class Engine:
         loaded = [s.lm for key, s in list(self.models.items()) if name in (key, s.lm.name)]
         if loaded:
             return loaded[0].tokenizer
+        if not self.policy.offers(name):  # a public server never fetches what a recorded run names
+            return None
         if name not in self._tokenizers:
             try:
                 self._tokenizers[name] = load_tokenizer(name)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import html
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import plotly.graph_objects as go
 
@@ -19,13 +19,17 @@ from rest_core.app.decoding import EMPTY_PROMPT, Prepared, plain_work, prepare, 
 from rest_core.app.engine import Engine
 from rest_core.app.markup import plain_answer_html, user_bubble
 from rest_core.app.panels import StepRows, best_step, compact, live_figures, metrics_html
+from rest_core.app.recording import STORE_ERRORS, Recording
 from rest_core.app.session import Session
 from rest_core.app.settings import FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
 from rest_core.app.streaming import Throttle, drain, stream_in_thread
+from rest_core.app.turns import Ticket
 from rest_core.compare import first_difference, identical
 from rest_core.decode import DecodeResult
 from rest_core.traces import figures
 
+V = TypeVar("V")
+TURN_POLL_S = 1.0  # a waiting decode tells its visitor its place in line this often
 
 @dataclass
 class View:
@@ -52,16 +56,42 @@ def special_texts(tokenizer: Any) -> frozenset:
 
 class LiveAnswer:
     """The chat's side of a running REST decode: the tinted answer and the side panel, redrawn from
-    the steps stored so far (the text at most every TEXT_INTERVAL_S, the figures less often)."""
+    the steps stored so far (the text at most every TEXT_INTERVAL_S, the figures less often).  Tokens
+    decoded after recording stopped are shown as plain text after the tinted ones."""
 
-    def __init__(self, engine: Engine, prep: Prepared, run_id: int, chat: list):
-        self.rec, self.run_id, self.chat = engine.recorder, run_id, chat
-        self.steps = StepRows(self.rec, run_id)
+    def __init__(self, engine: Engine, prep: Prepared, recording: Recording, chat: list):
+        self.engine, self.recording, self.run_id, self.chat = engine, recording, recording.run_id, chat
+        self.steps = StepRows(engine.recorder, self.run_id) if self.run_id is not None else None
         self.plain_ms = prep.slot.plain_ms()
-        self.hide = special_texts(prep.slot.lm.tokenizer)
+        self.tokenizer = prep.slot.lm.tokenizer
+        self.hide = special_texts(self.tokenizer)
         self.text = Throttle(TEXT_INTERVAL_S)
         self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
-        self.latest, self.started = -1, 0.0
+        self.latest, self.shown, self.started = -1, -1, 0.0
+        self.ids: list[int] = []  # every token decoded so far
+
+    def rows(self) -> list[dict]:
+        """The steps stored so far (those read before, when the store cannot be read now)."""
+        if self.steps is None:
+            return []
+        try:
+            return self.steps.refresh()
+        except STORE_ERRORS:
+            return self.steps.rows
+
+    def answer(self, rows: list[dict]) -> str:
+        """The stored steps tinted by origin, then any token decoded but not recorded, as plain text."""
+        text = figures.origin_spans(rows, self.hide) if rows else ""
+        tail = self.ids[sum(len(r["new_tokens"]) for r in rows):]
+        if tail:
+            text += plain_answer_html(self.tokenizer.decode(tail, skip_special_tokens=True))
+        return text
+
+    def figures(self, rows: list[dict], step_no: int, run: Optional[dict] = None) -> tuple:
+        try:
+            return live_figures(self.engine.recorder, self.run_id, rows, step_no, run)
+        except STORE_ERRORS:
+            return None, None, None
 
     def views(self, batch: list) -> Iterator[View]:
         for kind, value in batch:
@@ -69,15 +99,16 @@ class LiveAnswer:
                 self.started = value
             elif kind == "step":
                 self.latest = value
-        shown = self.steps.rows[-1]["step"] if self.steps.rows else -1
-        if self.latest <= shown or not self.text.ready():
+            elif kind == "tokens":
+                self.ids += value
+        if self.latest <= self.shown or not self.text.ready():
             return
-        now = self.text.last
-        steps = self.steps.refresh()
-        self.chat[-1]["content"] = figures.origin_spans(steps, self.hide)
-        view = View(chat=self.chat, metrics=metrics_html(steps, now - self.started, self.plain_ms))
-        if now - self.last_fig >= self.fig_interval:
-            view.tree, view.mask, view.speed = live_figures(self.rec, self.run_id, steps, steps[-1]["step"])
+        self.shown, now = self.latest, self.text.last
+        rows = self.rows()
+        self.chat[-1]["content"] = self.answer(rows)
+        view = View(chat=self.chat, metrics=metrics_html(rows, now - self.started, self.plain_ms))
+        if rows and not self.recording.stopped and now - self.last_fig >= self.fig_interval:
+            view.tree, view.mask, view.speed = self.figures(rows, rows[-1]["step"])
         yield view
         if view.tree is not None:  # drawing and sending done: slow machines redraw less often
             self.last_fig = time.perf_counter()
@@ -85,19 +116,21 @@ class LiveAnswer:
 
     def failed(self, err: Exception) -> View:
         text = message_of(err)
-        steps = self.steps.refresh()
-        self.chat[-1]["content"] = (figures.origin_spans(steps, self.hide) if steps else "") + \
-            f"<p>⚠ {html.escape(text)}</p>"
+        self.chat[-1]["content"] = self.answer(self.rows()) + f"<p>⚠ {html.escape(text)}</p>"
         return View(chat=self.chat, notice=text, warning=text, run_id=self.run_id, done=True)
 
     def finished(self, result: DecodeResult) -> View:
-        steps = self.steps.refresh()
-        self.chat[-1]["content"] = figures.origin_spans(steps, self.hide)
-        view = View(chat=self.chat, metrics=metrics_html(steps, result.wall_s, self.plain_ms, state="done"),
-                    run_id=self.run_id, done=True)
-        if steps:  # the run is over: show its most telling step (the one that accepted most drafts)
-            view.tree, view.mask, view.speed = live_figures(self.rec, self.run_id, steps, best_step(steps),
-                                                            self.rec.get_run(self.run_id))
+        rows = self.rows()
+        self.chat[-1]["content"] = self.answer(rows)
+        stopped = self.recording.stopped or None
+        view = View(chat=self.chat, metrics=metrics_html(rows, result.wall_s, self.plain_ms, state="done"),
+                    run_id=self.run_id, done=True, notice=stopped or "", warning=stopped)
+        if rows:  # the run is over: show its most telling step (the one that accepted most drafts)
+            try:
+                run = self.engine.recorder.get_run(self.run_id)
+            except STORE_ERRORS:
+                run = None
+            view.tree, view.mask, view.speed = self.figures(rows, best_step(rows), run)
         return view
 
 
@@ -106,29 +139,61 @@ def _say_in_chat(chat: list, text: str) -> View:
     return View(chat=chat, notice="")
 
 
+def take_turn(engine: Engine, session: Session, say: Callable[[str], V]) -> Generator[V, None, Ticket]:
+    """A place in the line of decodes, waited for (Busy when there is none); yields say(where it is)
+    while waiting.  The caller leaves the line in a finally; a visitor who leaves while waiting leaves it."""
+    ticket = engine.turns.join(session.id)
+    try:
+        while not ticket.wait(TURN_POLL_S):
+            ahead = ticket.ahead()
+            yield say(f"Waiting for your turn: {ahead} decode{'s' if ahead != 1 else ''} ahead of yours…")
+    except BaseException:
+        ticket.leave()
+        raise
+    return ticket
+
+
+def checked(engine: Engine, settings: Settings, message: Any) -> tuple[Settings, str]:
+    """The settings and prompt as the policy allows them (ValueError naming the problem otherwise)."""
+    return engine.policy.check_settings(settings), engine.policy.check_text(message)
+
+
 def chat_turn(engine: Engine, session: Session, settings: Settings, message: str) -> Iterator[View]:
-    """One chat (or completion) turn: the answer streamed with live figures, every step recorded."""
-    message = message or ""
+    """One chat (or completion) turn: the answer streamed with live figures, every step recorded; it
+    waits for its turn in the line of decodes first."""
+    try:
+        settings, message = checked(engine, settings, message)
+    except ValueError as err:
+        yield View(notice=str(err), warning=str(err), done=True)
+        return
     if not message.strip():
         yield View(notice=EMPTY_PROMPT, warning=EMPTY_PROMPT, done=True)
         return
     if settings.mode != "chat":
         session.clear_chat()  # completions are independent: no earlier turns
     chat = session.chat + [user_bubble(message), {"role": "assistant", "content": "…"}]
+    ticket = None
     try:
-        prep = yield from prepare(engine, session, settings, message, session.history, partial(_say_in_chat, chat))
+        ticket = yield from take_turn(engine, session, partial(_say_in_chat, chat))
+        yield from _chat_turn(engine, session, settings, message, chat)
     except Exception as err:  # every failure becomes a message in the page
         text = message_of(err)
         chat[-1]["content"] = f"⚠ {html.escape(text)}"
         yield View(chat=chat, notice=text, warning=text, done=True)
-        return
+    finally:
+        if ticket is not None:
+            ticket.leave()
+
+
+def _chat_turn(engine: Engine, session: Session, settings: Settings, message: str, chat: list) -> Iterator[View]:
+    prep = yield from prepare(engine, session, settings, message, session.history, partial(_say_in_chat, chat))
     chat[-1]["content"] = "thinking…"
     yield View(chat=chat, notice=prep.notice, warning=prep.notice or None)
 
-    run_id = start_run(engine, prep, settings, session, message)
-    answer = LiveAnswer(engine, prep, run_id, chat)
+    recording = start_run(engine, prep, settings, session, message)
+    answer = LiveAnswer(engine, prep, recording, chat)
     try:
-        result = yield from drain(stream_in_thread(engine, rest_work(engine, prep, run_id)), answer.views)
+        result = yield from drain(stream_in_thread(engine, rest_work(engine, prep, recording)), answer.views)
     except Exception as err:
         session.chat = chat
         yield answer.failed(err)
@@ -162,7 +227,22 @@ def _say_in_race(text: str) -> View:
 
 
 def race(engine: Engine, session: Session, settings: Settings, message: str) -> Iterator[View]:
-    """The same prompt decoded plainly, then with REST, each measured alone; speedup and exactness check."""
+    """The same prompt decoded plainly, then with REST, each measured alone; speedup and exactness check.
+    Both decodes take one turn in the line of decodes."""
+    ticket = None
+    try:
+        settings, message = checked(engine, settings, message)
+        ticket = yield from take_turn(engine, session, _say_in_race)
+        yield from _race(engine, session, settings, message)
+    except Exception as err:  # every failure becomes a message in the page
+        text = message_of(err)
+        yield View(notice=text, warning=text, done=True)
+    finally:
+        if ticket is not None:
+            ticket.leave()
+
+
+def _race(engine: Engine, session: Session, settings: Settings, message: str) -> Iterator[View]:
     try:
         prep = yield from prepare(engine, session, settings, message, [], _say_in_race)
     except Exception as err:  # every failure becomes a message in the page
@@ -172,34 +252,37 @@ def race(engine: Engine, session: Session, settings: Settings, message: str) -> 
     yield View(plain="warming up…", rest="waiting for the plain decode to finish…", notice=prep.notice,
                warning=prep.notice or None, metrics="")
     throttle, tok = Throttle(TEXT_INTERVAL_S), prep.slot.lm.tokenizer
-    try:
-        plain = yield from drain(stream_in_thread(engine, plain_work(prep)), RaceText(tok, throttle, "plain").views)
-        yield View(plain=plain.text, rest="REST decoding…")
-        run_id = start_run(engine, prep, settings, session, message)
-        rest = yield from drain(stream_in_thread(engine, rest_work(engine, prep, run_id, defer_recording=True)),
-                                RaceText(tok, throttle, "rest").views)
-    except Exception as err:
-        text = message_of(err)
-        yield View(notice=text, warning=text, done=True)
-        return
-    yield race_result(engine, prep, settings, plain, rest, run_id)
+    plain = yield from drain(stream_in_thread(engine, plain_work(prep)), RaceText(tok, throttle, "plain").views)
+    yield View(plain=plain.text, rest="REST decoding…")
+    recording = start_run(engine, prep, settings, session, message)
+    rest = yield from drain(stream_in_thread(engine, rest_work(engine, prep, recording, defer_recording=True)),
+                            RaceText(tok, throttle, "rest").views)
+    yield race_result(engine, prep, settings, plain, rest, recording)
 
 
 def race_result(engine: Engine, prep: Prepared, settings: Settings, plain: DecodeResult, rest: DecodeResult,
-                run_id: int) -> View:
+                recording: Recording) -> View:
     """Compare the two decodes once, record the comparison with the run, and show it."""
     speedup = plain.wall_s / rest.wall_s if rest.wall_s else 0.0
     same = identical(plain.tokens, rest.tokens, prep.slot.lm.eos_token_ids)
     comparable = settings.greedy or prep.cfg.sampling.seed is not None
-    rec = engine.recorder
-    rec.finish_run(run_id, status="done", comparison={
+    recording.finish(status="done", comparison={
         "plain_wall_s": plain.wall_s, "plain_tokens_per_s": plain.tokens_per_s, "speedup": speedup,
         "identical": same if comparable else None})
-    steps = rec.load_steps(run_id)
-    return View(rest=figures.origin_spans(steps, special_texts(prep.slot.lm.tokenizer)),
-                metrics=race_verdict(prep, settings, plain, rest, speedup, same),
-                speed=compact(figures.speed_figure(steps, rec.get_run(run_id)), 440, bottom=110),
-                run_id=run_id, done=True)
+    view = View(metrics=race_verdict(prep, settings, plain, rest, speedup, same), run_id=recording.run_id,
+                done=True, notice=recording.stopped or "", warning=recording.stopped or None,
+                rest=plain_answer_html(rest.text))
+    if recording.run_id is None:
+        return view
+    try:
+        rec = engine.recorder
+        steps = rec.load_steps(recording.run_id)
+        if len(steps) == rest.steps:  # every step stored: REST's side tinted by origin
+            view.rest = figures.origin_spans(steps, special_texts(prep.slot.lm.tokenizer))
+        view.speed = compact(figures.speed_figure(steps, rec.get_run(recording.run_id)), 440, bottom=110)
+    except STORE_ERRORS:
+        pass
+    return view
 
 
 def _check_line(prep: Prepared, settings: Settings, plain: DecodeResult, rest: DecodeResult, same: bool) -> str:

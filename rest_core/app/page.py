@@ -15,8 +15,10 @@ import gradio as gr
 
 from rest_core.app.engine import Engine
 from rest_core.app.explorer import explore
+from rest_core.app.guard import check_room, sweep
 from rest_core.app.live import View, chat_turn, race
-from rest_core.app.replay import run_choices, run_panels, run_table, step_count, step_panel
+from rest_core.app.recording import STORE_ERRORS
+from rest_core.app.replay import run_choices, run_panels, run_table, step_count, step_panel, whole
 from rest_core.app.session import Session, build_upload_store, save_uploads, upload_summary
 from rest_core.app.settings import UPLOADED, Settings, message_of, settings_from
 
@@ -55,7 +57,11 @@ def notice_update(text: Optional[str]) -> Any:
 
 
 def runs_update(page: Page, sess: Session, value: Optional[int] = None) -> Any:
-    return gr.Dropdown(choices=run_choices(page.engine.recorder, sess), value=value)
+    try:
+        return gr.Dropdown(choices=run_choices(page.engine.recorder, sess), value=value)
+    except STORE_ERRORS as err:  # the page works on; the runs come back when the store does
+        gr.Warning(f"The recorded runs cannot be read now ({type(err).__name__}); the status line says more.")
+        return gr.Dropdown(choices=[], value=None)
 
 
 def outputs(page: Page, values: dict, names: dict[str, str], skip_none: bool = False) -> dict:
@@ -86,6 +92,7 @@ EXPLORER = {"summary": "explore_summary", "suffix": "explore_suffix", "continuat
 
 def on_load(page: Page, state: Any, request: gr.Request) -> dict:
     sess = Session.ensure(state, request)
+    sweep(page.engine.policy)
     if page.preload:
         page.engine.preload()
     return {page.session: sess, page.run_pick: runs_update(page, sess), page.status: page.engine.status()}
@@ -132,8 +139,11 @@ def on_build(page: Page, files: Any, state: Any, model_name: str, request: gr.Re
     sess = Session.ensure(state, request)
     try:
         progress(0.0, desc="Checking the files")
-        docs = save_uploads(sess, [getattr(f, "name", f) for f in (files or [])],
-                                upload_root=Path(page.demo.GRADIO_CACHE))
+        paths = [getattr(f, "name", f) for f in (files or []) if isinstance(getattr(f, "name", f), str)]
+        cache = Path(page.demo.GRADIO_CACHE).resolve()
+        check_room(page.engine.policy, cache, sum(Path(p).stat().st_size for p in paths[:1000]
+                                                  if Path(p).resolve().is_relative_to(cache) and Path(p).is_file()))
+        docs = save_uploads(sess, paths, upload_root=cache)
         progress(0.05, desc="Loading the model's tokenizer")
         store = build_upload_store(sess, docs, page.engine.model(model_name))
     except Exception as err:  # a clear message, never a stack trace
@@ -159,7 +169,10 @@ def open_run_steps(page: Page, run_id: Any, state: Any, request: gr.Request) -> 
 
 def move_step(page: Page, delta: int, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
     count = step_count(page.engine.recorder, Session.ensure(state, request), run_id)
-    return gr.skip() if count is None else max(0, min(int(index or 0) + delta, count - 1))
+    try:
+        return gr.skip() if count is None else max(0, min(whole(index) + delta, count - 1))
+    except ValueError:
+        return 0
 
 
 def step_back(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
@@ -178,7 +191,10 @@ def toggle_play(page: Page, is_playing: bool) -> dict:
 
 def tick_play(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> dict:
     count = step_count(page.engine.recorder, Session.ensure(state, request), run_id)
-    nxt = int(index or 0) + 1
+    try:
+        nxt = whole(index) + 1
+    except ValueError:
+        nxt = 0
     if count is None or nxt >= count:
         return {page.playing: False, page.play_timer: gr.Timer(active=False), page.play: gr.Button("▶ Play")}
     return {page.step_slider: nxt, page.playing: True}
@@ -190,7 +206,12 @@ def refresh_runs(page: Page, state: Any, request: gr.Request) -> dict:
 
 def on_table(page: Page, state: Any, request: gr.Request) -> dict:
     sess = Session.ensure(state, request)
-    return {page.runs_table: run_table(page.engine.recorder, sess), page.session: sess}
+    try:
+        rows = run_table(page.engine.recorder, sess)
+    except STORE_ERRORS as err:
+        gr.Warning(f"The recorded runs cannot be read now ({type(err).__name__}); the status line says more.")
+        rows = []
+    return {page.runs_table: rows, page.session: sess}
 
 
 def pick_history(page: Page, state: Any, evt: gr.SelectData, request: gr.Request) -> dict:
@@ -198,7 +219,7 @@ def pick_history(page: Page, state: Any, evt: gr.SelectData, request: gr.Request
     try:
         run_id = int(evt.row_value[0])
         panels = run_panels(page.engine.recorder, sess, run_id)
-    except (KeyError, ValueError, TypeError, IndexError) as err:
+    except (KeyError, ValueError, TypeError, IndexError, *STORE_ERRORS) as err:
         gr.Warning(str(err))
         return {page.session: sess}
     return {**outputs(page, panels, RUN_PANELS), page.run_pick: runs_update(page, sess, run_id), page.session: sess}
@@ -211,7 +232,11 @@ def to_steps_tab(page: Page) -> dict:
 def on_explore(page: Page, text: str, budget_value: Any, state: Any, request: gr.Request, *values: Any) -> dict:
     sess = Session.ensure(state, request)
     try:
-        found = explore(page.engine, sess, page.settings_of(values), text, int(budget_value))
+        settings = page.engine.policy.check_settings(page.settings_of(values))
+        budget = whole(budget_value, "draft budget")
+        if not 1 <= budget <= 64:
+            raise ValueError(f"The draft budget must be between 1 and 64, not {budget}.")
+        found = explore(page.engine, sess, settings, page.engine.policy.check_text(text, "The context"), budget)
     except Exception as err:  # a clear message, never a stack trace
         msg = message_of(err)
         gr.Warning(msg)

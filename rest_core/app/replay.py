@@ -8,6 +8,7 @@ from typing import Any, Optional
 from rest_core.app.engine import Engine
 from rest_core.app.markup import token_html
 from rest_core.app.panels import fit, panel
+from rest_core.app.recording import STORE_ERRORS
 from rest_core.app.session import Session
 from rest_core.phases import PHASES
 from rest_core.traces import figures
@@ -22,13 +23,15 @@ NO_RUN = "Choose a run first (decode something in the Chat or Race tab to record
 
 
 def visible_runs(recorder: TraceRecorder, session: Session, limit: int = 500) -> list[dict]:
-    """This visitor's runs, and runs recorded outside the page (the command line); never another visitor's."""
-    out = []
-    for run in recorder.list_runs(limit=limit):
-        owner = (run.get("settings") or {}).get("app_session")
-        if owner == session.id or (owner is None and run["id"] not in session.run_ids):
-            out.append(run)
-    return out
+    """This visitor's runs, and runs recorded outside the page (the command line); never another visitor's
+    (the newest `limit`, read without their outputs)."""
+    return [run for run in recorder.list_runs(limit=limit, owner=session.id) if may_see(run, session)]
+
+
+def may_see(run: dict, session: Session) -> bool:
+    """A run of this visitor's, or one recorded outside the page."""
+    owner = (run.get("settings") or {}).get("app_session")
+    return owner == session.id or (owner is None and run["id"] not in session.run_ids)
 
 
 def run_label(run: dict) -> str:
@@ -48,14 +51,29 @@ def run_table(recorder: TraceRecorder, session: Session) -> list[list]:
     return [[get(r) for _, get in RUN_COLUMNS] for r in visible_runs(recorder, session)]
 
 
+def whole(value: Any, what: str = "step") -> int:
+    """A run id or step number from the page or the API (ValueError naming it when it is not one)."""
+    try:
+        number = int(value or 0)
+        if number != float(value or 0) or not -2**62 < number < 2**62:
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"The {what} must be a whole number, not {str(value)[:40]!r}.") from None
+    return number
+
+
 def check_run(recorder: TraceRecorder, session: Session, run_id: Any) -> dict:
     """A run this visitor may see (KeyError with a clear message otherwise; ValueError for a bad id)."""
     if run_id in (None, ""):
         raise KeyError(NO_RUN)
-    run_id = int(run_id)
-    if run_id not in {r["id"] for r in visible_runs(recorder, session)}:
+    run_id = whole(run_id, "run")
+    try:
+        run = recorder.get_run(run_id)
+    except KeyError:
+        run = None
+    if run is None or not may_see(run, session):
         raise KeyError(f"There is no run {run_id} among your runs.")
-    return recorder.get_run(run_id)
+    return run
 
 
 def open_run(recorder: TraceRecorder, session: Session, run_id: Any) -> tuple[dict, list[dict]]:
@@ -68,7 +86,7 @@ def step_count(recorder: TraceRecorder, session: Session, run_id: Any) -> Option
     """How many steps a run has (None when this visitor may not see it)."""
     try:
         return recorder.step_count(check_run(recorder, session, run_id)["id"])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, *STORE_ERRORS):
         return None
 
 
@@ -219,13 +237,16 @@ def step_panel(engine: Engine, session: Session, run_id: Any, index: Any) -> dic
     message in place of the explanation when there is nothing to show."""
     if run_id in (None, ""):
         return dict(EMPTY_STEP)
-    rec = engine.recorder
     try:
+        rec = engine.recorder
         run = check_run(rec, session, run_id)
         count = rec.step_count(run["id"])
         if not count:
             return {**EMPTY_STEP, "explanation": "This run recorded no step."}
-        index = max(0, min(int(index or 0), count - 1))
+        index = max(0, min(whole(index), count - 1))
         return step_view(rec, run, index, engine.tokenizer_for(run.get("model")))
     except (KeyError, ValueError) as err:
         return {**EMPTY_STEP, "explanation": f"⚠ {str(err).strip(chr(39))}"}
+    except STORE_ERRORS as err:
+        return {**EMPTY_STEP, "explanation": f"⚠ The trace store cannot be read now ({type(err).__name__}); "
+                                             "try again in a moment."}

@@ -101,8 +101,11 @@ class Session:
         return store
 
     def remember(self, model: str, tokens: list[int]) -> None:
-        """Keep an answer for this visitor's history store."""
-        self.answers.setdefault(model, []).append(list(tokens))
+        """Keep an answer for this visitor's history store (the newest HISTORY_TOKENS tokens of answers)."""
+        kept = self.answers.setdefault(model, [])
+        kept.append(list(tokens))
+        while len(kept) > 1 and sum(map(len, kept)) > HISTORY_TOKENS:
+            kept.pop(0)
 
     def clear_chat(self) -> None:
         self.chat, self.history = [], []

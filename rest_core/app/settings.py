@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Optional
 
 from datastores import DatastoreError
@@ -35,11 +36,18 @@ class Cancelled(Exception):
 
 
 def message_of(err: BaseException) -> str:
-    """One clear line for the page: the message of a known error, the type of any other."""
+    """One clear line for the page: the message of a known error, the type of any other (paths under
+    the server's home folder shown from ~)."""
     if isinstance(err, USER_ERRORS):
-        return str(err)
+        return _from_home(str(err))
     log.exception("unexpected error", exc_info=err)
-    return f"Something went wrong ({type(err).__name__}: {str(err)[:300]}). The server log has the details."
+    return _from_home(f"Something went wrong ({type(err).__name__}: {str(err)[:300]}). The server log has the "
+                      "details.")
+
+
+def _from_home(text: str) -> str:
+    home = str(Path.home())
+    return text.replace(home + os.sep, "~" + os.sep) if len(home) > 1 else text
 
 
 @dataclass

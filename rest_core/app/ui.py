@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from rest_core import app as lab
+from rest_core.app.guard import UploadGuard
 from rest_core.app.page import (
     GPU_WRAPPER,
     Page,
@@ -40,6 +42,8 @@ from rest_core.app.page import (
     to_steps_tab,
     toggle_play,
 )
+from rest_core.app.policy import Policy
+from rest_core.app.settings import log
 from rest_core.model import DEFAULT_MODEL
 from rest_core.phases import PHASE_NOTES, PHASES
 
@@ -77,6 +81,14 @@ def phase_heading(*phases: str) -> str:
     return f"##### {' → '.join(lab.phase_title(p) for p in phases)}\n{notes}"
 
 
+def upload_note(policy: Policy) -> str:
+    """What happens to a visitor's files, as the upload box says it."""
+    if policy.public:
+        return (f"Only you can draft from the files you upload; they are deleted about "
+                f"{policy.session_idle_s / 60:.0f} minutes after you upload them, or when you leave.")
+    return "Only you can draft from the files you upload; they are deleted about an hour after you leave."
+
+
 # ---------------------------------------------------------------- builders, one per part of the page
 
 def build_sidebar(page: Page, defaults: lab.Settings) -> None:
@@ -84,9 +96,14 @@ def build_sidebar(page: Page, defaults: lab.Settings) -> None:
     with gr.Sidebar(open=True, width=340):
         gr.Markdown("### Settings")
         s = page.settings
-        s["model"] = gr.Dropdown(sorted({DEFAULT_MODEL, defaults.model}), value=defaults.model, label="Model",
-                                 allow_custom_value=True, info="The offline default, or a Hugging Face id / local "
-                                                               "folder where the hub is reachable.")
+        policy = page.engine.policy
+        if policy.public:  # the operator's models only
+            s["model"] = gr.Dropdown(list(policy.models), value=policy.models[0], label="Model",
+                                     allow_custom_value=False, info="The models this server offers.")
+        else:
+            s["model"] = gr.Dropdown(sorted({DEFAULT_MODEL, defaults.model}), value=defaults.model, label="Model",
+                                     allow_custom_value=True, info="The offline default, or a Hugging Face id / "
+                                                                   "local folder where the hub is reachable.")
         s["mode"] = gr.Radio(["chat", "completion"], value=defaults.mode, label="Prompt format",
                              info="chat: the model's chat template, multi-turn. completion: the text or code is "
                                   "continued as it is.")
@@ -104,9 +121,10 @@ def build_sidebar(page: Page, defaults: lab.Settings) -> None:
             page.uploads = gr.File(file_count="multiple", label="Text or code files (20 MB in all)",
                                    elem_id="uploads", file_types=UPLOAD_TYPES)
             page.build_btn = gr.Button("Build my datastore", size="sm", elem_id="build-btn")
-            page.upload_status = gr.Markdown("Only you can draft from the files you upload; they are deleted "
-                                             "when you leave.", elem_id="upload-status")
-        s["max_new_tokens"] = gr.Slider(1, 512, value=defaults.max_new_tokens, step=1, label="Max new tokens")
+            page.upload_status = gr.Markdown(upload_note(page.engine.policy), elem_id="upload-status")
+        most = policy.max_new_tokens if policy.public else 512
+        s["max_new_tokens"] = gr.Slider(1, most, value=min(defaults.max_new_tokens, most), step=1,
+                                        label="Max new tokens")
         s["decoding"] = gr.Radio(["greedy", "sampling"], value=defaults.decoding, label="Decoding",
                                  info="greedy: REST output = plain output, token for token. sampling: exact "
                                       "speculative sampling, same distribution as plain sampling.")
@@ -241,9 +259,16 @@ def build_explorer_tab(page: Page) -> None:
 
 # ---------------------------------------------------------------- wiring
 
+def decode_handlers(page: Page) -> int:
+    """Chat and race handlers running at once: every decode in line waits inside its handler (telling its
+    visitor its place); the decodes themselves take turns (rest_core.app.turns)."""
+    return page.engine.policy.max_waiting + 1
+
+
 def wire_page(page: Page) -> None:
     """Page load, the status line, the upload box and the Chat tab."""
-    page.demo.load(bound(on_load, page), [page.session], [page.session, page.run_pick, page.status])
+    page.demo.load(bound(on_load, page), [page.session], [page.session, page.run_pick, page.status],
+                   concurrency_limit=None)
     page.status_timer.tick(bound(tick_status, page), None, [page.status, page.status_timer], show_progress="hidden",
                            concurrency_limit=None, api_visibility="private")
     page.build_btn.click(bound(on_build, page), [page.uploads, page.session, page.settings["model"]],
@@ -253,14 +278,15 @@ def wire_page(page: Page) -> None:
         bound(on_chat, page), [page.message, page.session, *page.settings.values()],
         [page.chatbot, page.tree_plot, page.mask_plot, page.speed_plot, page.metrics, page.notice, page.message,
          page.session, page.run_pick, page.status],
-        api_name="chat", concurrency_id="model", concurrency_limit=1, show_progress="minimal")
+        api_name="chat", concurrency_id="model", concurrency_limit=decode_handlers(page), show_progress="minimal")
     page.message.stop(None, None, None, cancels=[chat_event])
     page.clear.click(bound(on_clear, page), [page.session], [page.chatbot, page.session, page.notice],
                      api_name="clear")
     race_event = page.race_btn.click(
         bound(on_race, page), [page.race_prompt, page.session, *page.settings.values()],
         [page.race_plain, page.race_rest, page.race_verdict, page.race_speed, page.notice, page.session,
-         page.run_pick], api_name="race", concurrency_id="model", concurrency_limit=1, show_progress="minimal")
+         page.run_pick], api_name="race", concurrency_id="model", concurrency_limit=decode_handlers(page),
+        show_progress="minimal")
     page.race_stop.click(None, None, None, cancels=[race_event])
 
 
@@ -295,13 +321,16 @@ def wire_replay(page: Page) -> None:
 
 def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Callable] = None,
                cost_factory: Optional[Callable] = None, trace_db: Optional[str] = None, preload: bool = True,
-               defaults: Optional[lab.Settings] = None) -> gr.Blocks:
+               defaults: Optional[lab.Settings] = None, policy: Optional[Policy] = None) -> gr.Blocks:
     """The page. Factories replace the default model, built-in store and cost model (tests);
     `defaults` sets the controls' initial values; `preload` loads the default model and store
-    in the background when the first page opens. Nothing is read or written until it is used."""
+    in the background when the first page opens; `policy` (default: from the environment) says
+    whether the server is public and its limits. Nothing is read or written until it is used."""
+    policy = policy or Policy.from_env()
     page = Page(lab.Engine(lm_factory=lm_factory, store_factory=store_factory, cost_factory=cost_factory,
-                       trace_db=trace_db), preload)
-    with gr.Blocks(title="REST Lab", fill_width=True) as demo:
+                       trace_db=trace_db, policy=policy), preload)
+    cleanup = (600, max(600, int(policy.session_idle_s))) if policy.public else None  # Gradio's upload cache
+    with gr.Blocks(title="REST Lab", fill_width=True, delete_cache=cleanup) as demo:
         demo.engine, page.demo = page.engine, demo
         page.session = gr.State(None, delete_callback=lab.discard_session)
         build_sidebar(page, defaults or lab.Settings())
@@ -324,21 +353,41 @@ def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Ca
 
 def launch(app: gr.Blocks, **options: Any) -> Any:
     """Launch with the page's look and upload limit (tests pass prevent_thread_lock, a port...);
-    session folders a previous server left behind are removed first."""
+    session folders a previous server left behind are removed first.  A public server's upload
+    route is guarded (rest_core.app.guard)."""
     lab.prune_sessions()
+    options.setdefault("show_error", True)  # a value the page's controls refuse gets its reason, not "error"
+    policy = app.engine.policy
+    if policy.public:
+        def roots() -> list[Path]:
+            return [lab.sessions_root(), Path(app.GRADIO_CACHE)]
+
+        kwargs = options.get("app_kwargs", {})
+        guard = Middleware(UploadGuard, policy=policy, roots=roots)
+        options["app_kwargs"] = {**kwargs, "middleware": [*kwargs.get("middleware", []), guard]}
+        log.warning("public mode (%s): models %s; limits in the README's \"Public mode\"",
+                    policy.reason or "asked for", ", ".join(policy.models))
     return app.launch(**{**LAUNCH_OPTIONS, **options})
 
 
 def main(demo: Optional[gr.Blocks] = None, argv: Optional[list[str]] = None) -> None:
-    """Serve the page until interrupted (`python app.py`, `rest-lab-app`)."""
+    """Serve the page until interrupted (`python app.py`, `rest-lab-app`).  --host and --public decide
+    public mode as GRADIO_SERVER_NAME and REST_LAB_PUBLIC do (a page built before them is rebuilt)."""
     parser = argparse.ArgumentParser(prog="rest-lab-app", description="Serve REST Lab's page in the browser.")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-                        help="address to listen on (default 127.0.0.1, or GRADIO_SERVER_NAME)")
+                        help="address to listen on (default 127.0.0.1, or GRADIO_SERVER_NAME); any other than "
+                             "loopback makes the server public")
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)),
                         help="port (default 7860, or GRADIO_SERVER_PORT)")
+    parser.add_argument("--public", action="store_true",
+                        help="public mode whatever the address (models limited, limits on; README: Public mode)")
     args = parser.parse_args(argv)
-    demo = demo or build_demo()
+    os.environ["GRADIO_SERVER_NAME"] = args.host
+    if args.public:
+        os.environ["REST_LAB_PUBLIC"] = "1"
+    policy = Policy.from_env()
+    if demo is None or demo.engine.policy != policy:
+        demo = build_demo(policy=policy)
     if GPU_WRAPPER:
         print(f"REST Lab: the decode handlers run under {GPU_WRAPPER} (the spaces package is installed).", flush=True)
-    demo.queue(max_size=64)
     launch(demo, server_name=args.host, server_port=args.port)

@@ -53,7 +53,7 @@ from rest_core.traces.rows import (
 # TokenTexts lives in rows; re-exported for existing callers
 __all__ = ["COMPARISON_FIELDS", "FINAL_STATUSES", "SCHEMA", "TokenTexts", "TraceRecorder", "default_db_path"]
 
-FINAL_STATUSES = ("done", "failed", "stopped")
+FINAL_STATUSES = ("done", "failed", "stopped", "partial")  # partial: decoded to the end, steps not all recorded
 COMPARISON_FIELDS = ("plain_wall_s", "plain_tokens_per_s", "speedup", "identical")
 
 SCHEMA = """
@@ -130,7 +130,9 @@ CREATE TABLE IF NOT EXISTS branches (
     FOREIGN KEY (run_id, step) REFERENCES steps(run_id, step)
 );
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs(status);
+CREATE INDEX IF NOT EXISTS runs_by_owner ON runs(json_extract(settings, '$.app_session'));
 """
+OWNER = "json_extract(settings, '$.app_session')"  # the app visitor who recorded a run (NULL: outside the app)
 
 _STEP_LIST_COLUMNS = ", ".join(c for c in STEP_COLUMNS if c != "tree_mask")  # what load_steps reads
 
@@ -151,10 +153,14 @@ def _now() -> str:
 class TraceRecorder:
     """Runs and their steps in one SQLite file (default: traces.sqlite in the project cache)."""
 
-    def __init__(self, path: str | Path | None = None, *, busy_timeout_s: float = 30.0):
+    def __init__(self, path: str | Path | None = None, *, busy_timeout_s: float = 30.0,
+                 max_bytes: Optional[int] = None):
+        """max_bytes: the file never grows past this (a write that would fails with "database or disk is
+        full", as on a full disk; `prune` makes room)."""
         self.path = Path(path) if path is not None else default_db_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.busy_timeout_s = busy_timeout_s
+        self.max_bytes = max_bytes
         self.host = socket.gethostname()
         self._local = threading.local()
         self._opened: list[tuple[int, sqlite3.Connection]] = []  # (opening pid, connection)
@@ -174,6 +180,9 @@ class TraceRecorder:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")  # WAL: a process crash loses no committed step
             conn.execute("PRAGMA foreign_keys=ON")
+            if self.max_bytes:
+                page = conn.execute("PRAGMA page_size").fetchone()[0]
+                conn.execute(f"PRAGMA max_page_count = {max(16, int(self.max_bytes) // page)}")
             local.conn, local.pid = conn, os.getpid()
             local.db = sqlite_utils.Database(conn, execute_plugins=False)
             with self._opened_lock:
@@ -277,11 +286,64 @@ class TraceRecorder:
                     [(f"writer process ended before the run finished (seen {_now()})", i) for i in dead])
         return dead
 
+    # -- keeping the store bounded
+    def delete_runs(self, run_ids: Sequence[int]) -> None:
+        """Remove runs with every row of theirs (one transaction per 500 runs)."""
+        ids = [int(i) for i in run_ids]
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            marks = ", ".join("?" * len(chunk))
+            with self._transaction() as conn:
+                for table in ("branches", "draft_nodes", "steps"):
+                    conn.execute(f"DELETE FROM {table} WHERE run_id IN ({marks})", chunk)
+                conn.execute(f"DELETE FROM runs WHERE id IN ({marks})", chunk)
+
+    def used_bytes(self) -> int:
+        """Bytes of the file in use (pages not on the free list)."""
+        conn = self._conn()
+        pages, free, size = (conn.execute(f"PRAGMA {p}").fetchone()[0]
+                             for p in ("page_count", "freelist_count", "page_size"))
+        return (pages - free) * size
+
+    def prune(self, *, keep: int, owner: Optional[str] = None, keep_per_owner: Optional[int] = None,
+              max_bytes: Optional[int] = None) -> list[int]:
+        """Make room for one more run: remove the oldest finished runs beyond `keep_per_owner` of `owner`'s,
+        beyond `keep` in all, and, while more than 3/4 of `max_bytes` is in use, more of the oldest.
+        Runs still running are never removed.  Returns the removed ids."""
+        removed: list[int] = []
+        finished = "status != 'running'"
+        if owner is not None and keep_per_owner is not None:
+            ids = [r[0] for r in self.db.execute(
+                f"SELECT id FROM runs WHERE {OWNER} = ? AND {finished} ORDER BY id DESC LIMIT -1 OFFSET ?",
+                [owner, max(0, keep_per_owner - 1)]).fetchall()]
+            removed += ids
+        ids = [r[0] for r in self.db.execute(
+            f"SELECT id FROM runs WHERE {finished} ORDER BY id DESC LIMIT -1 OFFSET ?", [max(0, keep - 1)])]
+        removed += [i for i in ids if i not in removed]
+        self.delete_runs(removed)
+        while max_bytes and self.used_bytes() > 0.75 * max_bytes:
+            ids = [r[0] for r in self.db.execute(f"SELECT id FROM runs WHERE {finished} ORDER BY id LIMIT 20")]
+            if not ids:
+                break
+            self.delete_runs(ids)
+            removed += ids
+        return removed
+
     # -- reading
-    def list_runs(self, *, status: Optional[str] = None, limit: Optional[int] = None) -> list[RunRow]:
-        """Runs, newest first."""
-        sql = "SELECT * FROM runs" + (" WHERE status = ?" if status else "") + " ORDER BY id DESC"
-        params = [status] if status else []
+    def list_runs(self, *, status: Optional[str] = None, limit: Optional[int] = None,
+                  owner: Optional[str] = None) -> list[RunRow]:
+        """Runs, newest first.  owner: only the runs of that app visitor (settings' app_session) and the
+        runs recorded outside the app, without their output and prompt ids (a listing's columns)."""
+        where, params = [], []
+        if status:
+            where.append("status = ?")
+            params.append(status)
+        columns = "*"
+        if owner is not None:
+            where.append(f"({OWNER} = ? OR {OWNER} IS NULL)")
+            params.append(owner)
+            columns = ", ".join(c for c in self.db["runs"].columns_dict if c not in ("output", "prompt_ids"))
+        sql = f"SELECT {columns} FROM runs" + (f" WHERE {' AND '.join(where)}" if where else "") + " ORDER BY id DESC"
         if limit is not None:
             sql += " LIMIT ?"
             params.append(limit)

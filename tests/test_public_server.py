@@ -1,0 +1,307 @@
+"""A public server on loopback, through its API: bad input of every kind, upload floods, eight
+visitors at once, and the server killed in the middle of a recorded decode.
+
+The server runs the tiny random model (no built-in store), so each test stays well under a minute
+on a busy two-core machine.  The figures the load and kill tests measure are printed (pytest -s).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rest_core import app as sup
+from rest_core.app.policy import Policy
+from rest_core.model import DEFAULT_MODEL
+from rest_core.traces.recorder import TraceRecorder
+
+from conftest import make_tiny_lm, private_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "t5 t6 t7 t8 t9"
+TINY = sup.Settings(model="tiny", mode="completion", static=sup.NO_STATIC, max_new_tokens=24, budget_mode="fixed",
+                    budget=8)
+POLICY = Policy(public=True, reason="test", models=(DEFAULT_MODEL, "tiny"), max_waiting=12)
+USERS, LOAD_S = 8, 12.0  # the load test: visitors at once, and how long each keeps sending
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def settings_args(settings: sup.Settings) -> list:
+    return [getattr(settings, f) for f in sup.Settings.__dataclass_fields__]
+
+
+def finals(job) -> list:
+    """Per output, the last value a streamed job sent that was not an 'unchanged' marker."""
+    last = None
+    for out in job:
+        out = list(out)
+        last = last or [None] * len(out)
+        for i, value in enumerate(out):
+            if not (isinstance(value, dict) and value.get("__type__") == "update" and "value" not in value):
+                last[i] = value
+    if last is None:
+        job.result()  # raises what the server said
+    return last
+
+
+def rss_mb(pid: int | None = None) -> float:
+    for line in Path(f"/proc/{pid or os.getpid()}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REST_LAB_CACHE", private_cache(tmp_path_factory.mktemp("cache")))
+        mp.setenv("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from gradio_client import Client
+
+    import app
+
+    tiny = make_tiny_lm(max_positions=512)
+    traces = tmp_path_factory.mktemp("served") / "traces.sqlite"
+    demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: None,
+                          cost_factory=lambda lm, stores: None, trace_db=str(traces), preload=False, defaults=TINY,
+                          policy=POLICY)
+    _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
+    yield demo, url, Client
+    demo.close()
+
+
+# ---------------------------------------------------------------- bad input through the API
+
+def outcome(call) -> str:
+    """What a bad request got: the page's own message, or the server's refusal (never a crash)."""
+    try:
+        return json.dumps(call(), default=str)
+    except Exception as err:  # the request was refused before a handler ran
+        return f"refused: {err}"
+
+
+def test_every_handler_answers_bad_input_with_a_message(served, capsys):
+    demo, url, Client = served
+    client = Client(url, verbose=False)
+    base = settings_args(TINY)
+    names = list(sup.Settings.__dataclass_fields__)
+
+    def chat(text=PROMPT, **changes):
+        args = [changes.get(n, v) for n, v in zip(names, base)]
+        return lambda: finals(client.submit(text, *args, api_name="/chat"))
+
+    def race(text=PROMPT, **changes):
+        args = [changes.get(n, v) for n, v in zip(names, base)]
+        return lambda: finals(client.submit(text, *args, api_name="/race"))
+
+    choices, bounds = "not in the list of choices", "maximum value"  # the page's controls refusing a value
+    cases = {  # request -> what its answer (or the server's refusal) must say, one of
+        "huge prompt": (chat("t5 " * 200_000), ("at most 4,000",)),
+        "no prompt": (chat(None), ("prompt is empty",)),
+        "unknown model": (chat(model="gpt2"), ("offers these models only", choices)),
+        "server folder as model": (chat(model="/etc"), ("offers these models only", choices)),
+        "relative path as model": (chat(model="../models/SmolLM2-135M-Instruct"), ("offers these models only",
+                                                                                  choices)),
+        "model not text": (chat(model=["tiny"]), ("model", choices)),
+        "negative tokens": (chat(max_new_tokens=-5), ("max_new_tokens", "minimum value")),
+        "too many tokens": (chat(max_new_tokens=100_000), ("max_new_tokens", bounds)),
+        "tokens as text": (chat(max_new_tokens="many"), ("max_new_tokens", "Expected a `float`")),
+        "a fraction of a token": (chat(max_new_tokens=2.5), ("max_new_tokens", "whole number")),
+        "datastore as a path": (chat(static="/etc/passwd"), ("static", choices)),
+        "n_min above n_max": (chat(n_min=8, n_max=2), ("n_min",)),
+        "seed as text": (chat(seed="abc"), ("seed", "Expected a `float`", "Expected a")),
+        "race, unknown model": (race(model="org/model"), ("offers these models only", choices)),
+        "race, huge prompt": (race("x" * 50_000), ("at most 4,000",)),
+        "race, budget out of range": (race(budget=1000), ("budget", bounds)),
+        "explore, huge context": (lambda: client.predict("t1 " * 10_000, 8, *base, api_name="/explore"),
+                                  ("at most 4,000",)),
+        "explore, unknown model": (lambda: client.predict(PROMPT, 8, *[("gpt2" if n == "model" else v)
+                                                                        for n, v in zip(names, base)],
+                                                          api_name="/explore"), ("offers these models only", choices)),
+        "explore, budget out of range": (lambda: client.predict(PROMPT, 10**12, *base, api_name="/explore"),
+                                         ("draft budget", bounds)),
+        "step of a run not listed": (lambda: client.predict(1, 0, api_name="/step"), ("among your runs", choices)),
+        "step with a huge run id": (lambda: client.predict(10**30, 0, api_name="/step"), ("among your runs", choices)),
+        "step with a huge step": (lambda: client.predict(None, 10**30, api_name="/step"), ("[", bounds)),
+        "build with no files and an unknown model": (lambda: client.predict([], "gpt2", api_name="/build_datastore"),
+                                                     ("No files uploaded", choices)),
+    }
+    refused = []
+    for name, (call, expected) in cases.items():
+        answer = outcome(call)
+        refused += [name] if answer.startswith("refused") else []
+        assert "Traceback" not in answer and "Something went wrong" not in answer, (name, answer)
+        assert any(e in answer for e in expected), (name, answer[:400])
+    assert not demo.engine.recorder.list_runs(), "no bad request was recorded as a run"
+    assert set(demo.engine.models) <= {"tiny"}, "nothing but the offered model was loaded"
+    assert 'data-state="done"' in finals(client.submit(PROMPT, *base, api_name="/chat"))[4], "the server still answers"
+    with capsys.disabled():
+        print(f"\nbad inputs tried through the API: {len(cases)}; answered by the handler with a message: "
+              f"{len(cases) - len(refused)}; refused with a message by the page's controls before a handler ran: "
+              f"{len(refused)}")
+
+
+def test_upload_floods_are_refused_before_they_are_stored(served, tmp_path):
+    from gradio_client import handle_file
+
+    demo, url, Client = served
+    cache = Path(demo.GRADIO_CACHE)
+    before = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
+    big = [("files", (f"f{k}.txt", b"x" * (2 * 2**20), "text/plain")) for k in range(12)]  # 24 MB in one request
+    answer = httpx.post(f"{url.rstrip('/')}/gradio_api/upload", files=big, timeout=60)
+    assert answer.status_code == 413 and "at most 20 MB" in answer.text
+    after = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
+    assert after - before < 2**20, "nothing of the refused request was kept"
+    many = []
+    for k in range(201):
+        path = tmp_path / f"n{k}.txt"
+        path.write_text(f"note {k}\n")
+        many.append(handle_file(str(path)))
+    status, _, notice = Client(url, verbose=False).predict(many, "tiny", api_name="/build_datastore")
+    assert "at most 200" in status
+
+
+# ---------------------------------------------------------------- eight visitors at once
+
+def visitor(url: str, Client, k: int, until: float, log: list) -> None:
+    """One visitor: chats, races and step views in turn until `until`; each request's outcome and wait."""
+    client = Client(url, verbose=False)
+    settings = replace(TINY, max_new_tokens=16 + 4 * k)
+    n = 0
+    while time.monotonic() < until:
+        kind = ("chat", "race", "step")[n % 3]
+        t0 = time.monotonic()
+        try:
+            if kind == "step":
+                runs = client.predict(api_name="/runs")["data"]
+                out = client.predict(runs[0][0], 0, api_name="/step") if runs else ["no run yet"]
+                ok = str(out[0]).startswith("**Step 0.**") or out == ["no run yet"]
+                log.append((k, kind, "answered" if ok else f"wrong: {str(out[0])[:200]}", time.monotonic() - t0))
+            else:
+                last = finals(client.submit(PROMPT, *settings_args(settings), api_name=f"/{kind}"))
+                done = 'data-state="done"' in str(last[4]) if kind == "chat" else "faster" in str(last[2]) or \
+                    "slower" in str(last[2])
+                notice = str(last[5] if kind == "chat" else last[4])
+                state = "answered" if done else ("refused" if "busy" in notice else f"wrong: {notice[:200]}")
+                log.append((k, kind, state, time.monotonic() - t0))
+        except Exception as err:  # counted as an error: the test fails on any
+            log.append((k, kind, f"error: {type(err).__name__}: {err}", time.monotonic() - t0))
+        n += 1
+
+
+def test_eight_visitors_at_once_are_all_served_fairly(served, capsys):
+    demo, url, Client = served
+    rss0 = rss_mb()
+    log: list = []
+    until = time.monotonic() + LOAD_S
+    threads = [threading.Thread(target=visitor, args=(url, Client, k, until, log)) for k in range(USERS)]
+    page_waits = []
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):  # the page itself loads while decodes queue
+        t0 = time.monotonic()
+        assert httpx.get(url, timeout=60).status_code == 200
+        page_waits.append(time.monotonic() - t0)
+        time.sleep(0.5)
+    for t in threads:
+        t.join()
+    states = Counter(state.split(":")[0] for _, _, state, _ in log)
+    per_user = Counter(k for k, _, state, _ in log if state == "answered")
+    decode_waits = [w for _, kind, _, w in log if kind != "step"]
+    rss1 = rss_mb()
+    with capsys.disabled():
+        kinds = dict(Counter(kind for _, kind, _, _ in log))
+        print(f"\nload: {USERS} visitors x {LOAD_S:.0f} s: {len(log)} requests ({kinds}); "
+              f"outcomes {dict(states)}; answered per visitor {sorted(per_user.values())}; longest chat/race "
+              f"{max(decode_waits):.1f} s; longest wait for a turn {demo.engine.turns.longest_wait_s:.1f} s; "
+              f"longest page load {max(page_waits):.2f} s; memory {rss0:.0f} -> {rss1:.0f} MB")
+    assert not [entry for entry in log if entry[2].startswith(("error", "wrong"))], log
+    assert len(per_user) == USERS and min(per_user.values()) >= 2, "every visitor was served, more than once"
+    assert demo.engine.turns.longest_wait_s < 60 and max(page_waits) < 10
+    assert rss1 - rss0 < 400, "memory stays bounded"
+    assert len(demo.engine.turns) == 0
+
+
+# ---------------------------------------------------------------- killed in the middle of a decode
+
+SERVER = """
+import sys, time
+sys.path[:0] = [{root!r}, {tests!r}]
+import app
+from conftest import make_tiny_lm
+from rest_core.app.policy import Policy
+tiny = make_tiny_lm(max_positions=1024)
+tiny.model.register_forward_pre_hook(lambda module, args: time.sleep(0.05))  # a slow machine: time to kill
+demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: None, preload=False,
+                      cost_factory=lambda lm, stores: None, trace_db={db!r},
+                      policy=Policy(public=True, models=("tiny",)))
+app.launch(demo, prevent_thread_lock=True, server_port={port}, quiet=True)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_in_a_recorded_decode_the_restarted_page_works(tmp_path, capsys):
+    from gradio_client import Client
+
+    import app
+
+    db, port = tmp_path / "traces.sqlite", free_port()
+    script = SERVER.format(root=str(ROOT), tests=str(ROOT / "tests"), db=str(db), port=port)
+    server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, "REST_LAB_CACHE": str(tmp_path / "cache")})
+    try:
+        lines = iter(server.stdout.readline, "")
+        assert any(line.strip() == "ready" for line in lines), "the server started"
+        url = f"http://127.0.0.1:{port}/"
+        Client(url, verbose=False).submit(PROMPT, *settings_args(replace(TINY, max_new_tokens=256)), api_name="/chat")
+        reader = TraceRecorder(db)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any((r["steps"] or 0) >= 5 for r in reader.list_runs()):
+            time.sleep(0.1)
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(30)
+    finally:
+        server.kill()
+    run = reader.list_runs()[0]
+    committed = reader.step_count(run["id"])
+    assert committed >= 5 and run["status"] == "running"
+    reopened = TraceRecorder(db)  # what the restarted page opens
+    run = reopened.get_run(run["id"])
+    assert run["status"] == "interrupted"
+    assert [s["step"] for s in reopened.load_steps(run["id"])] == list(range(committed)), "every step intact"
+    assert all(reopened.load_step(run["id"], k)["nodes"] for k in range(committed))
+    tiny = make_tiny_lm(max_positions=512)
+    demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: None, preload=False,
+                          cost_factory=lambda lm, stores: None, trace_db=str(db), policy=POLICY)
+    _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
+    try:
+        assert httpx.get(url, timeout=60).status_code == 200
+        last = finals(Client(url, verbose=False).submit(PROMPT, *settings_args(TINY), api_name="/chat"))
+        assert 'data-state="done"' in last[4]
+    finally:
+        demo.close()
+    with capsys.disabled():
+        print(f"\nkill -9 during a decode: {committed} committed steps intact, run marked {run['status']}, "
+              "the restarted page answers")
