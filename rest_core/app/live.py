@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
@@ -18,7 +18,15 @@ import plotly.graph_objects as go
 from rest_core.app.decoding import EMPTY_PROMPT, Prepared, plain_work, prepare, rest_work, start_run
 from rest_core.app.engine import Engine
 from rest_core.app.markup import plain_answer_html, user_bubble
-from rest_core.app.panels import StepRows, best_step, compact, live_figures, metrics_html
+from rest_core.app.panels import (
+    StepRows,
+    best_step,
+    compact,
+    live_figures,
+    metrics_html,
+    plain_estimate_ms,
+    why_speed_html,
+)
 from rest_core.app.session import Session
 from rest_core.app.settings import FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
 from rest_core.app.streaming import Throttle, drain, stream_in_thread
@@ -44,6 +52,11 @@ class View:
     done: bool = False
 
 
+def cost_curve(slot: Any) -> Optional[Callable[[int], float]]:
+    """The forward-pass time of q tokens as calibrated on this machine, when a cost model exists already."""
+    return next((c.forward_ms for c in list(slot.costs.values()) if hasattr(c, "forward_ms")), None)
+
+
 def special_texts(tokenizer: Any) -> frozenset:
     return frozenset(getattr(tokenizer, "all_special_tokens", None) or ())
 
@@ -58,6 +71,7 @@ class LiveAnswer:
         self.rec, self.run_id, self.chat = engine.recorder, run_id, chat
         self.steps = StepRows(self.rec, run_id)
         self.plain_ms = prep.slot.plain_ms()
+        self.curve = cost_curve(prep.slot)
         self.hide = special_texts(prep.slot.lm.tokenizer)
         self.text = Throttle(TEXT_INTERVAL_S)
         self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
@@ -93,7 +107,9 @@ class LiveAnswer:
     def finished(self, result: DecodeResult) -> View:
         steps = self.steps.refresh()
         self.chat[-1]["content"] = figures.origin_spans(steps, self.hide)
-        view = View(chat=self.chat, metrics=metrics_html(steps, result.wall_s, self.plain_ms, state="done"),
+        per_token, how = plain_estimate_ms(steps, self.plain_ms)
+        view = View(chat=self.chat, metrics=metrics_html(steps, result.wall_s, self.plain_ms, state="done")
+                    + why_speed_html(steps, per_token, curve=self.curve, measured=f"estimated from {how}"),
                     run_id=self.run_id, done=True)
         if steps:  # the run is over: show its most telling step (the one that accepted most drafts)
             view.tree, view.mask, view.speed = live_figures(self.rec, self.run_id, steps, best_step(steps),
@@ -196,8 +212,10 @@ def race_result(engine: Engine, prep: Prepared, settings: Settings, plain: Decod
         "plain_wall_s": plain.wall_s, "plain_tokens_per_s": plain.tokens_per_s, "speedup": speedup,
         "identical": same if comparable else None})
     steps = rec.load_steps(run_id)
+    why = why_speed_html(steps, 1e3 * plain.wall_s / max(1, plain.new_tokens), 1e3 * rest.wall_s / max(1, rest.steps),
+                         cost_curve(prep.slot), "measured by the plain decode above, prefill included")
     return View(rest=figures.origin_spans(steps, special_texts(prep.slot.lm.tokenizer)),
-                metrics=race_verdict(prep, settings, plain, rest, speedup, same),
+                metrics=race_verdict(prep, settings, plain, rest, speedup, same) + why,
                 speed=compact(figures.speed_figure(steps, rec.get_run(run_id)), 440, bottom=110),
                 run_id=run_id, done=True)
 
