@@ -42,6 +42,7 @@ DEFAULT_BUDGET = 16  # draft nodes per step when no cost model decides
 # (prompt + answer so far, how many of them the step just committed) -> how many of those to keep
 # when decoding must stop here, or None to go on
 StopCheck = Callable[[Sequence[int], int], Optional[int]]
+TOP_K = 5  # the model's likeliest next tokens kept per node in a trace
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,25 @@ class Step:
     new_tokens: list[int]  # committed, after the EOS / room cut
     stop: Optional[str]  # "eos" | "length" when this step ends the decode
     timings_ms: dict[str, float]
+    sampling: Sampling = Sampling()
+
+    def node_probs(self, k: int = TOP_K) -> dict:
+        """The StepTrace probability fields: per node the probability of its token at its parent (None at
+        the root) and of the model's choice after it, and the k likeliest next tokens with their
+        probabilities, from the distributions the verifier used (built for a trace only: the plain loop
+        never pays for it)."""
+        tree, logits = self.tree, self.logits
+        if self.sampling.greedy:
+            probs = logits.float().softmax(-1)  # (q, V)
+        else:  # the distributions drawn from where the walk went, the same processing elsewhere
+            probs = torch.stack([self.verdict.draws[i][1] if i in self.verdict.draws
+                                 else next_token_probs(logits[i], self.sampling) for i in range(len(tree))])
+        top = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        parents = torch.as_tensor(tree.parents[1:], dtype=torch.long)
+        drafted = probs[parents, torch.as_tensor(tree.tokens[1:], dtype=torch.long)].tolist() if len(tree) > 1 else []
+        chosen = probs[torch.arange(len(tree)), torch.as_tensor(self.verdict.model_choices[:len(tree)])].tolist()
+        return {"draft_probs": [None] + drafted, "choice_probs": chosen, "top_tokens": top.indices.tolist(),
+                "top_probs": top.values.tolist()}
 
     def trace(self, index: int) -> StepTrace:
         tree, verdict = self.tree, self.verdict
@@ -226,7 +246,8 @@ class Step:
             tree_scores=[float(s) for s in tree.scores], tree_sources=list(tree.sources),
             position_ids=self.positions[0].tolist(), mask=mask, model_choices=list(verdict.model_choices[:q]),
             accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
-            new_tokens=list(self.new_tokens), timings_ms=dict(self.timings_ms))
+            new_tokens=list(self.new_tokens), timings_ms=dict(self.timings_ms),
+            **self.node_probs(), uniforms={node: u for node, (u, _) in self.verdict.draws.items()})
 
 
 def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: Sequence[Store], cfg: DecodeConfig,
@@ -256,7 +277,8 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
         context.extend(new)
         for store in stores:
             store.extend(new)
-    return Step(prefix_len, query, lookups, budget, tree, positions, mask, logits, verdict, new, stop, timer.ms)
+    return Step(prefix_len, query, lookups, budget, tree, positions, mask, logits, verdict, new, stop, timer.ms,
+                cfg.sampling)
 
 
 def _teach(stores: Sequence[Store], tree: DraftTree, logits: torch.Tensor) -> None:

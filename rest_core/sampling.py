@@ -62,9 +62,18 @@ def next_token_probs(logits: torch.Tensor, cfg: Sampling) -> torch.Tensor:
     return scores.softmax(-1)
 
 
+def draw_uniform(gen: torch.Generator) -> float:
+    """The one uniform number in [0, 1) a draw consumes from the generator."""
+    return torch.rand((), generator=gen, dtype=torch.float64).item()
+
+
 def draw_token(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One draw from (V,) probs by inverse CDF with a single uniform number."""
-    u = torch.rand((), generator=gen, dtype=torch.float64).item()
+    return token_at(probs, draw_uniform(gen))
+
+
+def token_at(probs: torch.Tensor, u: float) -> int:
+    """The token the uniform number u in [0, 1) selects from (V,) probs: inverse CDF in token-id order."""
     cdf = probs.double().cpu().cumsum(0)
     idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64)).item())
     idx = min(idx, probs.numel() - 1)

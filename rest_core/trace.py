@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -47,6 +48,15 @@ class StepTrace:
     bonus_token: int  # the token the model produced after the last accepted node
     new_tokens: list[int]  # tokens committed by this step (accepted drafts + bonus), after EOS/length cuts
     timings_ms: dict[str, float] = field(default_factory=dict)  # keys: rest_core.phases.PHASES
+    # What the model thought, from the verify pass's logits (empty when not known, e.g. an old trace).
+    # The distribution is the one the verifier used: softmax of the logits for greedy, after
+    # temperature / top-k / top-p when sampling.
+    draft_probs: list[Optional[float]] = field(default_factory=list)  # per node: its token's probability
+    # at its parent (None at the root)
+    choice_probs: list[float] = field(default_factory=list)  # per node: the probability of its model choice
+    top_tokens: list[list[int]] = field(default_factory=list)  # per node: the model's likeliest next tokens
+    top_probs: list[list[float]] = field(default_factory=list)  # per node: their probabilities
+    uniforms: dict[int, float] = field(default_factory=dict)  # sampling: visited node -> the uniform drawn there
 
     @property
     def draft_size(self) -> int:

@@ -17,12 +17,12 @@ node, shared by all paths through it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from rest_core.sampling import Sampling, draw_token, next_token_probs
+from rest_core.sampling import Sampling, draw_uniform, next_token_probs, token_at
 from rest_core.tree import DraftTree, tree_mask, tree_positions
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ class Verdict:
     accepted_nodes: list[int]  # root first, then each accepted draft node
     bonus_token: int
     model_choices: list[int]  # per node: the verifier's token (drawn at visited nodes when sampling)
+    # sampling: per visited node, the uniform number drawn there and the (V,) distribution it was drawn from
+    draws: dict[int, tuple[float, torch.Tensor]] = field(default_factory=dict)
 
 
 def tree_forward(lm: LoadedModel, tree: DraftTree, prefix_len: int,
@@ -68,12 +70,16 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: Sampling, gen: t
     choices = choices if choices is not None else logits.argmax(dim=-1).tolist()
     path = [0]
     node = 0
+    draws = {}
     while True:
-        drawn = draw_token(next_token_probs(logits[node], cfg), gen)
+        probs = next_token_probs(logits[node], cfg)
+        u = draw_uniform(gen)  # one uniform per visited node, as draw_token consumes it
+        drawn = token_at(probs, u)
+        draws[node] = (u, probs)  # kept, not copied: what a trace shows of this draw
         choices[node] = drawn
         child = tree.children[node].get(drawn)
         if child is None:
-            return Verdict(path, drawn, choices)
+            return Verdict(path, drawn, choices, draws)
         path.append(child)
         node = child
 

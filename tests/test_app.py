@@ -7,6 +7,7 @@ with a small store built in a temporary folder (never the big default store).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -118,6 +119,10 @@ def test_greedy_race_reports_identical_outputs_and_records_the_comparison(engine
     assert "×" in final.metrics and "one after the other" in final.metrics
     run = engine.recorder.get_run(final.run_id)
     assert run["identical"] == 1 and run["speedup"] > 0 and run["plain_wall_s"] > 0
+    # why this speed: tokens per pass ÷ cost per pass gives back the measured speedup (same tokens both sides)
+    why = re.search(r"= ([\d.]+) ÷ ([\d.]+) = <b>([\d.]+)×", final.metrics)
+    assert why and "Why this speed" in final.metrics
+    assert float(why.group(3)) == pytest.approx(run["speedup"], abs=0.011)
     assert engine.recorder.load_steps(final.run_id), "the race's REST run can be stepped through"
     assert any(v.plain for v in views[:-1]) and any(v.rest for v in views[:-1]), "both sides stream"
 
@@ -569,8 +574,10 @@ def test_api_step_and_explore(served):
     client = Client(url, verbose=False)
     final = last_values([list(o) for o in client.submit(PROMPT, *settings_args(TINY), api_name="/chat")])
     run_id = client.predict(api_name="/runs")["data"][0][0]
-    explanation, suffix, branches, choices, path, tree, mask = client.predict(run_id, 0, api_name="/step")
-    assert explanation.startswith("**Step 0.**") and is_plot(tree)
+    explanation, suffix, branches, choices, path, tree, mask, bars, node = client.predict(run_id, 0, api_name="/step")
+    assert explanation.startswith("**Step 0.**") and is_plot(tree) and "the model's next token" in bars["plot"]
+    assert "the model gave" in explanation and node["value"] == [r[0] for r in choices["data"] if r[-1] == "✓"][-1]
+    assert "After node 0 " in client.predict(run_id, 0, 0, api_name="/node")["plot"]
     summary, *_ = client.predict("t1 t5 t6 t7", 8, *settings_args(TINY), api_name="/explore")
     assert "**static**: longest suffix 3 tokens" in summary and "draft tree: **8** tokens" in summary
     assert final[0][-1]["role"] == "assistant"

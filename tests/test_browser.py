@@ -7,6 +7,7 @@ artifacts/screenshots/ for inspection. Every wait is on a condition of the page
 """
 from __future__ import annotations
 
+import re
 import socket
 import sysconfig
 from pathlib import Path
@@ -138,6 +139,72 @@ def test_play_walks_through_the_steps(page):
     page.get_by_role("button", name="▶ Play").wait_for()
 
 
+def test_hover_a_node_and_read_its_probabilities(page):
+    """The draft tree's hover tells the model's probabilities; the node picker's bars show them too."""
+    explanation = page.locator("#step-explanation")
+    for _ in range(40):  # on to a step whose draft the model accepted in part
+        if "agreed with the first" in explanation.inner_text():
+            break
+        number = int(re.search(r"Step (\d+)\.", explanation.inner_text()).group(1))
+        page.click("#step-forward")
+        explanation.get_by_text(f"Step {number + 1}.").wait_for()
+    text = explanation.inner_text()
+    assert "agreed with the first" in text and "the model gave" in text and "the draft offered" in text
+    points = page.locator("#step-tree .scatterlayer .trace .points path")
+    hovered = ""
+    for i in range(points.count()):
+        box = points.nth(i).bounding_box()
+        if not box:
+            continue
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        label = page.locator("#step-tree .hoverlayer .hovertext")
+        try:
+            label.first.wait_for(timeout=3000)
+        except Exception:  # this point shows no hover label (an edge, the path line)
+            continue
+        hovered = label.first.text_content() or ""
+        if "likeliest next tokens" in hovered:
+            break
+    assert "likeliest next tokens" in hovered, hovered
+    assert re.search(r"\d\.\d\d", hovered), "probabilities are shown as numbers"
+    plot_rendered(page, "node-probs")
+    assert "the model's next token" in page.inner_text("#node-probs")
+    assert "all other tokens" in page.inner_text("#node-probs")
+    page.locator("#step-tree").scroll_into_view_if_needed()
+    snap(page, "probabilities.png")
+
+
+def test_tree_labels_neither_overlap_nor_leave_the_figure(page):
+    boxes = page.evaluate("""() => {
+        const svg = document.querySelector('#step-tree .main-svg').getBoundingClientRect();
+        return {svg: [svg.left, svg.top, svg.right, svg.bottom],
+                labels: [...document.querySelectorAll('#step-tree .textpoint text')].map(t => {
+                    const r = t.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom, t.textContent];
+                }).filter(b => b[2] > b[0])};
+    }""")
+    left, top, right, bottom = boxes["svg"]
+    labels = boxes["labels"]
+    assert labels, "the tree has labels"
+    for x0, y0, x1, y1, text in labels:
+        assert left - 1 <= x0 and x1 <= right + 1 and top - 1 <= y0 and y1 <= bottom + 1, f"{text!r} is cut"
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            overlap_x = min(a[2], b[2]) - max(a[0], b[0])
+            overlap_y = min(a[3], b[3]) - max(a[1], b[1])
+            assert overlap_x <= 1 or overlap_y <= 1, f"labels {a[4]!r} and {b[4]!r} overlap"
+        assert "&quot;" not in a[4] and "&amp;" not in a[4] and "\ufffd" not in a[4]
+
+
+def test_the_sampling_check_draws_a_node_many_times(page):
+    page.click("#sample-check-btn")
+    plot_rendered(page, "sample-check")
+    page.locator("#sample-check").get_by_text("draws after node").wait_for(timeout=60_000)
+    text = page.inner_text("#sample-check")
+    assert "committed by REST's rule (exact)" in text and "3-sigma band" in text and "what is committed" in text
+    page.locator("#sample-check").scroll_into_view_if_needed()
+    snap(page, "sampling-check.png")
+
+
 def test_run_history_replays_a_run(page):
     page.get_by_role("tab", name="Run history").click()
     first_cell = page.locator("#runs-table [data-testid=cell-0-0]")
@@ -153,7 +220,10 @@ def test_race_checks_greedy_outputs(page):
     page.fill("#race-prompt textarea", PROMPT)
     page.click("#race-btn")
     page.locator("#race-verdict").get_by_text("Greedy outputs are identical").wait_for(timeout=2 * DECODE_MS)
-    assert "faster" in page.inner_text("#race-verdict") or "slower" in page.inner_text("#race-verdict")
+    verdict = page.inner_text("#race-verdict")
+    assert "faster" in verdict or "slower" in verdict
+    assert "Why this speed" in verdict and "tokens per pass" in verdict and "cost per pass" in verdict
+    assert "to break even a pass must bring" in verdict
     plot_rendered(page, "race-speed")
     snap(page, "race.png")
 

@@ -158,6 +158,7 @@ def test_app_starts_as_a_space_does(space, tmp_path):
         stop(proc)
     text = log.read_text()
     assert "spaces.GPU" in text, "the decode handlers run under the spaces package's GPU decorator"
+    assert "public mode (it runs on a Hugging Face Space)" in text
     assert "Traceback" not in text, text[-4000:]
 
 

@@ -105,7 +105,25 @@ def make_trace(rng: random.Random, *, step: int = 0, prefix_len: int = 12, n_nod
         model_choices=choices, accepted_nodes=path, bonus_token=bonus,
         new_tokens=[tokens[i] for i in path[1:]] + [bonus],
         timings_ms={p: round(rng.uniform(0.1, 60.0), 3) for p in PHASES},
+        **model_probs(tokens, parents, choices, path),
     )
+
+
+def model_probs(tokens: list[int], parents: list[int], choices: list[int], path: list[int]) -> dict:
+    """Probability fields consistent with the choices: each node's choice is its likeliest next token
+    (a generator of its own, so the step's other random fields do not depend on them)."""
+    rng = random.Random(hash((len(tokens), tuple(tokens), tuple(choices))))
+    top_tokens, top_probs = [], []
+    for choice in choices:
+        others = rng.sample([t for t in range(V) if t != choice], 4)
+        probs = sorted((rng.random() for _ in range(5)), reverse=True)
+        total = sum(probs) * rng.uniform(1.0, 2.0)
+        top_tokens.append([choice] + others)
+        top_probs.append([p / total for p in probs])
+    draft = [None] + [rng.random() * top_probs[parents[i]][0] for i in range(1, len(tokens))]
+    uniforms = {node: rng.random() for node in path} if rng.random() < 0.5 else {}
+    return {"draft_probs": draft, "choice_probs": [p[0] for p in top_probs], "top_tokens": top_tokens,
+            "top_probs": top_probs, "uniforms": uniforms}
 
 
 def record_run(rec: TraceRecorder, traces: list[StepTrace], tokenizer=None, finish: bool = True, **comparison) -> int:

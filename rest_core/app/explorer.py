@@ -29,7 +29,7 @@ def _plural(n: int, word: str) -> str:
 
 def _tree_figure(tree: DraftTree, texts: TokenTexts):
     nodes = [{"node": i, "parent": int(tree.parents[i]), "depth": int(tree.depths[i]),
-              "token_text": texts[int(tree.tokens[i])], "score": float(tree.scores[i]), "source": tree.sources[i]}
+              "token_text": texts.label(int(tree.tokens[i])), "score": float(tree.scores[i]), "source": tree.sources[i]}
              for i in range(len(tree))]
     leaves = len(tree) - len(set(tree.parents.tolist()) - {-1})
     return panel(figures.continuation_tree_figure(nodes), max(400, 26 * leaves + 180))

@@ -18,7 +18,15 @@ import plotly.graph_objects as go
 from rest_core.app.decoding import EMPTY_PROMPT, Prepared, plain_work, prepare, rest_work, start_run
 from rest_core.app.engine import Engine
 from rest_core.app.markup import plain_answer_html, user_bubble
-from rest_core.app.panels import StepRows, best_step, compact, live_figures, metrics_html
+from rest_core.app.panels import (
+    StepRows,
+    best_step,
+    compact,
+    live_figures,
+    metrics_html,
+    plain_estimate_ms,
+    why_speed_html,
+)
 from rest_core.app.recording import STORE_ERRORS, Recording
 from rest_core.app.session import Session
 from rest_core.app.settings import FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
@@ -48,6 +56,11 @@ class View:
     done: bool = False
 
 
+def cost_curve(slot: Any) -> Optional[Callable[[int], float]]:
+    """The forward-pass time of q tokens as calibrated on this machine, when a cost model exists already."""
+    return next((c.forward_ms for c in list(slot.costs.values()) if hasattr(c, "forward_ms")), None)
+
+
 def special_texts(tokenizer: Any) -> frozenset:
     return frozenset(getattr(tokenizer, "all_special_tokens", None) or ())
 
@@ -64,6 +77,7 @@ class LiveAnswer:
         self.steps = StepRows(engine.recorder, self.run_id) if self.run_id is not None else None
         self.plain_ms = prep.slot.plain_ms()
         self.tokenizer = prep.slot.lm.tokenizer
+        self.curve = cost_curve(prep.slot)
         self.hide = special_texts(self.tokenizer)
         self.text = Throttle(TEXT_INTERVAL_S)
         self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
@@ -123,7 +137,9 @@ class LiveAnswer:
         rows = self.rows()
         self.chat[-1]["content"] = self.answer(rows)
         stopped = self.recording.stopped or None
-        view = View(chat=self.chat, metrics=metrics_html(rows, result.wall_s, self.plain_ms, state="done"),
+        per_token, how = plain_estimate_ms(rows, self.plain_ms)
+        view = View(chat=self.chat, metrics=metrics_html(rows, result.wall_s, self.plain_ms, state="done")
+                    + why_speed_html(rows, per_token, curve=self.curve, measured=f"estimated from {how}"),
                     run_id=self.run_id, done=True, notice=stopped or "", warning=stopped)
         if rows:  # the run is over: show its most telling step (the one that accepted most drafts)
             try:
@@ -280,6 +296,9 @@ def race_result(engine: Engine, prep: Prepared, settings: Settings, plain: Decod
         if len(steps) == rest.steps:  # every step stored: REST's side tinted by origin
             view.rest = figures.origin_spans(steps, special_texts(prep.slot.lm.tokenizer))
         view.speed = compact(figures.speed_figure(steps, rec.get_run(recording.run_id)), 440, bottom=110)
+        view.metrics += why_speed_html(steps, 1e3 * plain.wall_s / max(1, plain.new_tokens),
+                                       1e3 * rest.wall_s / max(1, rest.steps), cost_curve(prep.slot),
+                                       "measured by the plain decode above, prefill included")
     except STORE_ERRORS:
         pass
     return view

@@ -18,7 +18,16 @@ from rest_core.app.explorer import explore
 from rest_core.app.guard import check_room, sweep
 from rest_core.app.live import View, chat_turn, race
 from rest_core.app.recording import STORE_ERRORS
-from rest_core.app.replay import run_choices, run_panels, run_table, step_count, step_panel, whole
+from rest_core.app.replay import (
+    check_panel,
+    node_panel,
+    run_choices,
+    run_panels,
+    run_table,
+    step_count,
+    step_panel,
+    whole,
+)
 from rest_core.app.session import Session, build_upload_store, save_uploads, upload_summary
 from rest_core.app.settings import UPLOADED, Settings, message_of, settings_from
 
@@ -83,7 +92,7 @@ def view_outputs(page: Page, view: View, names: dict[str, str]) -> dict:
 CHAT_VIEW = {"chat": "chatbot", "tree": "tree_plot", "mask": "mask_plot", "speed": "speed_plot", "metrics": "metrics"}
 RACE_VIEW = {"plain": "race_plain", "rest": "race_rest", "metrics": "race_verdict", "speed": "race_speed"}
 STEP_PANEL = {"explanation": "explanation", "suffix": "suffix", "branches": "branches", "choices": "choices",
-              "path": "path", "tree": "step_tree", "mask": "step_mask"}
+              "path": "path", "tree": "step_tree", "mask": "step_mask", "node_probs": "node_probs"}
 RUN_PANELS = {"text": "history_text", "speed": "history_speed", "accept": "history_accept",
               "phases": "history_phases"}
 EXPLORER = {"summary": "explore_summary", "suffix": "explore_suffix", "continuations": "explore_rows",
@@ -156,7 +165,28 @@ def on_build(page: Page, files: Any, state: Any, model_name: str, request: gr.Re
 
 def show_step(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> dict:
     sess = Session.ensure(state, request)
-    return {page.session: sess, **outputs(page, step_panel(page.engine, sess, run_id, index), STEP_PANEL)}
+    shown = step_panel(page.engine, sess, run_id, index)
+    return {page.session: sess, **outputs(page, shown, STEP_PANEL), **node_pick_update(page, shown)}
+
+
+def node_pick_update(page: Page, shown: dict) -> dict:
+    """The node picker of the step-through: the step's nodes, the one shown selected."""
+    return {page.node_pick: gr.Dropdown(choices=shown["node_choices"], value=shown["node"])}
+
+
+def on_sampling_check(page: Page, run_id: Any, index: Any, node: Any, state: Any, request: gr.Request) -> Any:
+    """Draw the picked node many times and show the frequencies over the model's distribution."""
+    try:
+        return check_panel(page.engine, Session.ensure(state, request), run_id, index, node)
+    except (KeyError, ValueError, TypeError, *STORE_ERRORS) as err:
+        gr.Warning(message_of(err))
+        return gr.skip()
+
+
+def show_node(page: Page, run_id: Any, index: Any, node: Any, state: Any, request: gr.Request) -> dict:
+    """The probability bars of the node picked in the step-through."""
+    shown = node_panel(page.engine, Session.ensure(state, request), run_id, index, node)
+    return {page.node_probs: shown["node_probs"]}
 
 
 def open_run_steps(page: Page, run_id: Any, state: Any, request: gr.Request) -> dict:

@@ -5,6 +5,7 @@ stored); `StepRows` reads only the steps recorded since the last redraw.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import plotly.graph_objects as go
@@ -101,3 +102,40 @@ def metrics_html(steps: list[dict], elapsed_s: float, plain_ms: Optional[float] 
     body = "".join(f'<div class="metric"><div class="metric-v">{v}</div><div class="metric-k">{k}</div></div>'
                    for k, v in cells)
     return f'<div class="metrics" data-state="{state}">{body}</div>{note}'
+
+
+def why_speed_html(steps: list[dict], plain_ms_per_token: Optional[float], rest_ms_per_pass: Optional[float] = None,
+                   curve: Optional[Callable[[int], float]] = None, measured: str = "") -> str:
+    """The break-even arithmetic of a run on this machine: tokens per forward pass, what a pass over a
+    tree of that size costs against a one-token pass, and the speedup they make (tokens per pass ÷ cost
+    per pass relative to a plain token).  `plain_ms_per_token`: plain decoding's time per token (measured
+    by a race, else estimated); `rest_ms_per_pass`: REST's time per step (default: the sum of the stored
+    phases); `curve(q)`: the forward-pass time of q tokens as calibrated on this machine."""
+    passes = len(steps)
+    if not passes or not plain_ms_per_token:
+        return ""
+    tokens = sum(len(s["new_tokens"]) for s in steps)
+    per_pass = tokens / passes
+    rest_ms = rest_ms_per_pass or sum(step_ms(s) for s in steps) / passes
+    forward = [s["t_forward_ms"] for s in steps if s.get("t_forward_ms")]
+    fwd_ms = sum(forward) / len(forward) if forward else None
+    q = sum(s["draft_size"] + 1 for s in steps) / passes
+    relative = rest_ms / plain_ms_per_token
+    speedup = per_pass / relative
+    lines = [f"<b>tokens per pass</b>: {tokens} tokens in {passes} forward passes = <b>{per_pass:.2f}</b> "
+             f"(plain decoding: 1.00)"]
+    if curve is not None:
+        one, tree = curve(1), curve(max(1, round(q)))
+        lines.append(f"<b>cost of a tree pass</b>: the model's pass over {q:.1f} tokens (this run's mean tree, root "
+                     f"included) costs {tree:.0f} ms on this machine against {one:.0f} ms for one token: "
+                     f"<b>{tree / one:.2f}×</b> (the measured cost curve)")
+    if fwd_ms:
+        lines.append(f"<b>this run's steps</b>: forward pass {fwd_ms:.0f} ms, the whole step (retrieve, tree, "
+                     f"forward, verify, commit{', trace' if rest_ms_per_pass else ''}) {rest_ms:.0f} ms")
+    lines.append(f"<b>cost per pass</b>: {rest_ms:.0f} ms ÷ {plain_ms_per_token:.0f} ms per plain token "
+                 f"({measured or 'estimated'}) = <b>{relative:.2f}×</b>")
+    verdict = "faster" if speedup >= 1 else "slower: each pass costs more than the tokens it brings"
+    lines.append(f"<b>speedup</b> = tokens per pass ÷ cost per pass = {per_pass:.2f} ÷ {relative:.2f} = "
+                 f"<b>{speedup:.2f}×</b> ({verdict}); to break even a pass must bring {relative:.2f} tokens")
+    items = "".join(f"<li>{line}</li>" for line in lines)
+    return f'<div class="why-speed" id="why-speed"><b>Why this speed</b><ul>{items}</ul></div>'

@@ -11,13 +11,14 @@ from rest_core.app.panels import fit, panel
 from rest_core.app.recording import STORE_ERRORS
 from rest_core.app.session import Session
 from rest_core.phases import PHASES
-from rest_core.traces import figures
+from rest_core.traces import figures, probs
 from rest_core.traces.recorder import TokenTexts, TraceRecorder
 from rest_core.traces.runs import RUN_COLUMNS
 
 RUN_TABLE_HEADERS = [header for header, _ in RUN_COLUMNS]
 BRANCH_HEADERS = ["store", "continuation", "count"]
-CHOICE_HEADERS = ["node", "depth", "draft token", "drafted by", "score", "model's next token", "accepted"]
+CHOICE_HEADERS = ["node", "depth", "draft token", "drafted by", "score", "p (draft)", "model's next token",
+                  "model's likeliest", "accepted"]
 MODEL_NODE = "the model's own earlier prediction after the same token (recycled)"  # a "model" node, in words
 NO_RUN = "Choose a run first (decode something in the Chat or Race tab to record one)."
 
@@ -177,11 +178,19 @@ def _tree_sentence(step: dict, run: dict) -> str:
             f"and its own ancestors. {agree}; {stop}: that bonus token comes from the model itself.")
 
 
+def _probability_sentence(step: dict) -> str:
+    """How sure the model was where it parted from the draft ("" for a step recorded without probabilities)."""
+    if not probs.has_probs(step):
+        return ""
+    return " " + probs.node_choice_sentence(step, probs.last_accepted(step["nodes"]))
+
+
 def explain_step(step: dict, run: dict) -> str:
     """One paragraph, in plain words, of what happened at a recorded step."""
     committed = len(step["new_tokens"])
     return (f"**Step {step['step']}.** The context ends with “{token_html(step.get('query_text', ''))}”. "
-            f"{_lookup_sentence(step)} {_tree_sentence(step, run)} The step committed {committed} "
+            f"{_lookup_sentence(step)} {_tree_sentence(step, run)}{_probability_sentence(step)} "
+            f"The step committed {committed} "
             f"token{'s' if committed != 1 else ''} for one forward pass"
             f"{' (plain decoding: one)' if committed > 1 else ''}.")
 
@@ -215,8 +224,9 @@ def step_view(recorder: TraceRecorder, run: dict, index: int, tokenizer: Any = N
     step["query_text"] = "".join(texts[int(t)] for t in step["query"][-8:])
     branches = [[b["source"], figures.show_token(b["text"]), b["count"]] for b in step["branches"][:60]]
     choices = [[n["node"], n["depth"], figures.show_token(n["token_text"]), n["source"] or "root",
-                round(n["score"] or 0.0, 3), figures.show_token(n["model_choice_text"]),
-                "✓" if n["accepted"] else ""] for n in step["nodes"]]
+                round(n["score"] or 0.0, 3), "" if n.get("prob") is None else figures.prob_text(n["prob"]),
+                figures.show_token(n["model_choice_text"]), _likeliest(n), "✓" if n["accepted"] else ""]
+               for n in step["nodes"]]
     accepted = [n for n in step["nodes"] if n["accepted"]][1:]
     path = "".join(f'<span class="acc">{token_html(n["token_text"])}</span>' for n in accepted)
     tree = figures.draft_tree_figure(step)
@@ -226,10 +236,49 @@ def step_view(recorder: TraceRecorder, run: dict, index: int, tokenizer: Any = N
     return {"step": step, "suffix": suffix_html(step, texts), "branches": branches, "choices": choices,
             "path": path_html, "explanation": explain_step(step, run),
             "tree": panel(tree, min(1400, max(480, int(tree.layout.height or 480)))),
-            "mask": panel(figures.mask_heatmap(step), 560)}
+            "mask": panel(figures.mask_heatmap(step), 560), **node_view(step, run)}
 
 
-EMPTY_STEP = {"explanation": "", "suffix": "", "branches": [], "choices": [], "path": "", "tree": None, "mask": None}
+def _likeliest(n: dict, k: int = 3) -> str:
+    """A node's likeliest next tokens with their probabilities, for a table cell."""
+    pairs = list(zip(n.get("top_texts") or [], n.get("top_probs") or []))[:k]
+    return " · ".join(f"{figures.show_token(t)} {figures.prob_text(p)}" for t, p in pairs)
+
+
+def node_view(step: dict, run: dict, node: Optional[int] = None) -> dict:
+    """The node picker's choices and value and the chosen node's probability bars (default: the node where
+    the model parted from the draft)."""
+    node = probs.last_accepted(step["nodes"]) if node is None else node
+    sampled = float((run.get("settings") or {}).get("temperature") or 0) > 0
+    return {"node_choices": probs.node_choices(step), "node": node,
+            "node_probs": fit(probs.node_probs_figure(step, node, sampled))}
+
+
+def node_panel(engine: Engine, session: Session, run_id: Any, index: Any, node: Any) -> dict:
+    """The probability bars of one node of a recorded step (a message in the title when there is none)."""
+    try:
+        run = check_run(engine.recorder, session, run_id)
+        step = engine.recorder.load_step(run["id"], int(index or 0))
+        node = max(0, min(int(node or 0), len(step["nodes"]) - 1))
+        return node_view(step, run, node)
+    except (KeyError, ValueError, TypeError, *STORE_ERRORS):
+        return {"node_choices": [], "node": None, "node_probs": None}
+
+
+CHECK_DRAWS = 2000  # draws of the sampling check
+
+
+def check_panel(engine: Engine, session: Session, run_id: Any, index: Any, node: Any) -> Any:
+    """The sampling check of one node of a recorded step: many draws with the verifier's rule against the
+    model's recorded distribution (ValueError / KeyError with a message when there is nothing to draw)."""
+    run = check_run(engine.recorder, session, run_id)
+    step = engine.recorder.load_step(run["id"], int(index or 0))
+    node = probs.last_accepted(step["nodes"]) if node in (None, "") else int(node)
+    return fit(probs.sampling_check_figure(probs.sampling_check(step, node, CHECK_DRAWS, seed=int(index or 0))))
+
+
+EMPTY_STEP = {"explanation": "", "suffix": "", "branches": [], "choices": [], "path": "", "tree": None, "mask": None,
+              "node_choices": [], "node": None, "node_probs": None}
 
 
 def step_panel(engine: Engine, session: Session, run_id: Any, index: Any) -> dict:

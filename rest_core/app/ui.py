@@ -30,10 +30,12 @@ from rest_core.app.page import (
     on_explore,
     on_load,
     on_race,
+    on_sampling_check,
     on_table,
     open_run_steps,
     pick_history,
     refresh_runs,
+    show_node,
     show_step,
     step_back,
     step_forward,
@@ -215,7 +217,14 @@ def build_steps_tab(page: Page) -> None:
                 gr.Markdown(phase_heading("verify", "commit"), elem_classes="phase-head")
                 page.path = gr.HTML(elem_id="step-path")
                 page.choices = gr.Dataframe(headers=lab.CHOICE_HEADERS, interactive=False, max_height=300, wrap=True,
-                                            column_widths=["9%", "9%", "20%", "14%", "11%", "24%", "13%"])
+                                            column_widths=["7%", "7%", "13%", "11%", "8%", "9%", "13%", "24%", "8%"])
+                page.node_pick = gr.Dropdown([], label="The model's probabilities after node", elem_id="node-pick",
+                                             info="✓ = on the accepted path; the node where the model parted from "
+                                                  "the draft is shown first")
+                page.node_probs = gr.Plot(show_label=False, elem_id="node-probs")
+                page.check_btn = gr.Button("Draw this node 2,000 times: is sampling exact?", size="sm",
+                                           elem_id="sample-check-btn")
+                page.check_plot = gr.Plot(show_label=False, elem_id="sample-check")
         page.play_timer = gr.Timer(1.5, active=False)
         page.playing = gr.State(False)
 
@@ -294,13 +303,17 @@ def wire_replay(page: Page) -> None:
     """Step through, Run history and the Datastore explorer."""
     step_in = [page.run_pick, page.step_slider, page.session]
     step_out = [page.explanation, page.suffix, page.branches, page.choices, page.path, page.step_tree,
-                page.step_mask, page.session]
+                page.step_mask, page.node_probs, page.node_pick, page.session]
     private = dict(api_visibility="private")
     page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.session],
                          [page.step_slider, page.play_timer, page.playing, page.play], **private).then(
         bound(show_step, page), step_in, step_out, **private)
     page.step_slider.change(bound(show_step, page), step_in, step_out, api_name="step", trigger_mode="always_last",
                             concurrency_limit=4, show_progress="hidden")
+    page.node_pick.input(bound(show_node, page), [page.run_pick, page.step_slider, page.node_pick, page.session],
+                         [page.node_probs], api_name="node", show_progress="hidden")
+    page.check_btn.click(bound(on_sampling_check, page), [page.run_pick, page.step_slider, page.node_pick,
+                                                          page.session], [page.check_plot], api_name="sampling_check")
     page.back.click(bound(step_back, page), step_in, [page.step_slider], **private)
     page.forward.click(bound(step_forward, page), step_in, [page.step_slider], **private)
     page.play.click(bound(toggle_play, page), [page.playing], [page.playing, page.play_timer, page.play], **private)

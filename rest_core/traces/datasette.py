@@ -41,6 +41,10 @@ TABLES = {
         "score": "merged weight of the prefix ending at this node",
         "model_choice_text": "the model's own next token after this node",
         "accepted": "1 when the node is on the accepted path",
+        "prob": "the model's probability of this node's token at its parent (NULL at the root)",
+        "choice_prob": "the model's probability of model_choice after this node",
+        "top_tokens": "JSON: the model's likeliest next tokens after this node (top_texts, top_probs beside)",
+        "uniform": "sampling: the uniform number drawn at this node (NULL where the walk did not go)",
     }),
     "branches": ("One row per distinct continuation a store retrieved at a step (the 32 most frequent per source).", {
         "count": "how often the continuation occurred (for the model source: its prior chance x 1000)",

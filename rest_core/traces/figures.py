@@ -12,7 +12,6 @@ tinted output text (`origin_spans`, `origin_text_html`) lives in
 """
 from __future__ import annotations
 
-import html
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from itertools import accumulate
@@ -41,9 +40,12 @@ from rest_core.traces.palette import (
     SOURCE_COLOURS,
     VERMILLION,
     source_color,
+    source_marker,
     source_order,
 )
 from rest_core.traces.rows import NodeRow, RunRow, StepDetail, StepRow
+from rest_core.traces.tokens import label as _label
+from rest_core.traces.tokens import label_room, prob_text, short_label, show_token
 from rest_core.tree import ancestors
 
 __all__ = ["ORIGIN_STYLES", "SOURCE_COLOURS", "acceptance_histogram", "continuation_tree_figure",
@@ -51,14 +53,8 @@ __all__ = ["ORIGIN_STYLES", "SOURCE_COLOURS", "acceptance_histogram", "continuat
            "show_token", "source_color", "source_words", "speed_figure", "step_counts", "token_origins", "tree_layout"]
 
 
-def show_token(text: str) -> str:
-    """A token's text made visible: spaces, newlines and tabs get a glyph."""
-    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍") or "∅"
-
-
-def _label(text: str) -> str:
-    """Token text safe inside plotly's HTML-like labels."""
-    return html.escape(show_token(text), quote=False)
+LABEL_PLOT_PX = 560.0  # the narrowest a tree figure is drawn (a half-width panel): labels are cut to fit it
+TREE_EXTRA_UNITS = 2.6  # depth units a draft tree figure adds to its deepest node: the bonus token and labels
 
 
 def _style(fig: go.Figure, title: str, **layout) -> go.Figure:
@@ -112,18 +108,25 @@ def _tree_skeleton(nodes: Sequence[Mapping]) -> tuple[go.Figure, list, list]:
     return fig, x, y
 
 
-def _node_traces(nodes: Sequence[Mapping], x: list, y: list):
+def _node_traces(nodes: Sequence[Mapping], x: list, y: list, extra_units: float):
     """Per draft source: its nodes and one marker+label trace for them, coloured by the source and sized
-    by score (the root largest); callers add their own text colours, outlines, hover and legend name."""
+    by score (the root largest), each label above and right of its node (clear of the edges), cut so it
+    ends before the next depth (markers shrink in deep trees to leave room); callers add their own text
+    colours, outlines, hover and legend name."""
     top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
+    unit_px = LABEL_PLOT_PX / (max(x, default=0) + extra_units)
+    biggest = max(10.0, min(32.0, 0.4 * unit_px))  # the root's size; a draft node's grows with its score
+    room = label_room(x, extra_units, LABEL_PLOT_PX, marker_px=biggest)
     for source in source_order(n["source"] for n in nodes):
         members = [n for n in nodes if n["source"] == source]
         yield source, members, go.Scatter(
             x=[x[n["node"]] for n in members], y=[y[n["node"]] for n in members],
             customdata=[n["node"] for n in members], mode="markers+text",
-            text=[_label(n["token_text"]) for n in members], textposition="top center", hoverinfo="text",
-            marker=dict(color=source_color(source),
-                        size=[22 if n["node"] == 0 else 10 + 22 * np.sqrt(max(n["score"] or 0, 0) / top)
+            text=[short_label(n["token_text"], room) for n in members], textposition="top right",
+            hoverinfo="text",
+            marker=dict(color=source_color(source), symbol=source_marker(source),
+                        size=[biggest * 0.7 if n["node"] == 0 else
+                              8 + (biggest - 8) * np.sqrt(max(n["score"] or 0, 0) / top)
                               for n in members]))
 
 
@@ -139,8 +142,9 @@ def draft_tree_figure(step: StepDetail) -> go.Figure:
                              mode="lines", line=dict(color=ACCEPTED, width=6), hoverinfo="skip",
                              name="accepted path"))
 
-    for source, members, trace in _node_traces(nodes, x, y):
-        trace.update(textfont=dict(size=15, color=[ACCEPTED if n["accepted"] else "#222" for n in members]),
+    room = label_room(x, TREE_EXTRA_UNITS)
+    for source, members, trace in _node_traces(nodes, x, y, TREE_EXTRA_UNITS):
+        trace.update(textfont=dict(size=13, color=[ACCEPTED if n["accepted"] else "#222" for n in members]),
                      hovertext=[_node_hover(n) for n in members],
                      name="root (last committed token)" if source == "" else f"drafted by {source}")
         trace.marker.line = dict(color=[BONUS if n["node"] == last else ACCEPTED if n["accepted"] else "white"
@@ -151,32 +155,56 @@ def draft_tree_figure(step: StepDetail) -> go.Figure:
     fig.add_trace(go.Scatter(x=[x[last], x[last] + 1], y=[y[last], bonus_y], mode="lines",
                              line=dict(color=BONUS, width=3, dash="dash"), hoverinfo="skip", showlegend=False,
                              name="model's choice"))
+    bonus_p = nodes[last].get("choice_prob")
     fig.add_trace(go.Scatter(
-        x=[x[last] + 1], y=[bonus_y], mode="markers+text", text=[_label(step["bonus_text"])],
-        textposition="middle right", textfont=dict(size=15, color=BONUS),
+        x=[x[last] + 1], y=[bonus_y], mode="markers+text", text=[short_label(step["bonus_text"], room)],
+        textposition="middle right", textfont=dict(size=13, color=BONUS),
         marker=dict(symbol="star", size=24, color=BONUS), name="bonus token (the model's own)",
-        hovertext=[(f"bonus token {_label(step['bonus_text'])} (id {step['bonus_token']})<br>"
+        hovertext=[(f"bonus token {_label(step['bonus_text'])} (id {step['bonus_token']})"
+                    + (f", probability {prob_text(bonus_p)}" if bonus_p is not None else "") + "<br>"
                     "produced by the verifying forward pass after the last accepted node")],
         hoverinfo="text"))
-    if drafted:
-        note = f"draft: {', '.join(_label(t) for t in drafted)}, model: {_label(model_text)}"
-    elif len(nodes) == 1:
-        note = f"no draft this step, model: {_label(model_text)}"
-    else:
-        note = f"draft ends here (leaf), model: {_label(model_text)}"
-    fig.add_annotation(x=x[last] + 1, y=bonus_y, text=note, showarrow=False, xanchor="left", yanchor="top",
-                       yshift=-16, font=dict(size=16, color=BONUS), bgcolor="rgba(255,255,255,0.9)",
-                       bordercolor=BONUS, name="disagreement")
+    fig.add_annotation(text=disagreement_note(step), xref="paper", yref="paper", x=0, y=1.0, xanchor="left",
+                       yanchor="bottom", showarrow=False, font=dict(size=15, color=BONUS),
+                       bgcolor="rgba(255,255,255,0.9)", bordercolor=BONUS, name="disagreement")
     n_leaves = len(nodes) - len({n["parent"] for n in nodes} - {-1})
     accepted = len(path) - 1
     return _style(
         fig, f"Step {step['step']}: {len(nodes) - 1} draft tokens, {accepted} accepted + 1 from the model",
-        height=max(420, 30 * (n_leaves + 2) + 160), showlegend=True,
+        height=max(420, 30 * (n_leaves + 2) + 190), showlegend=True,
         legend=dict(orientation="h", y=-0.12, x=0),
         xaxis=dict(title="depth in the draft tree (0 = last committed token)", dtick=1, zeroline=False,
-                   range=[-0.4, max(x) + 2.2]),
-        yaxis=dict(visible=False, range=[bonus_y + 1.2, -0.8]),  # first leaf on top
-        margin=dict(l=30, r=30, t=80, b=110))
+                   range=[-0.4, max(x) + TREE_EXTRA_UNITS - 0.4]),
+        yaxis=dict(visible=False, range=[bonus_y + 0.8, -0.8]),  # first leaf on top
+        margin=dict(l=30, r=30, t=110, b=110))
+
+
+def disagreement_note(step: StepDetail) -> str:
+    """Where draft and model parted, with the model's probabilities when they were recorded:
+    "draft: ␣cat 0.21, model: ␣dog 0.62" (the drafted children of the last accepted node, the model's token)."""
+    nodes = step["nodes"]
+    last = [n["node"] for n in nodes if n["accepted"]][-1]
+    children = [n for n in nodes if n["parent"] == last]
+
+    def said(text: str, p: Optional[float]) -> str:
+        return _label(text) + (f" {prob_text(p)}" if p is not None else "")
+
+    model = said(nodes[last]["model_choice_text"], nodes[last].get("choice_prob"))
+    if children:
+        offered = ", ".join(said(n["token_text"], n.get("prob")) for n in children[:6])
+        more = f" (+{len(children) - 6} more)" if len(children) > 6 else ""
+        return f"draft: {offered}{more}, model: {model}"
+    if len(nodes) == 1:
+        return f"no draft this step, model: {model}"
+    return f"draft ends here (leaf), model: {model}"
+
+
+def top_choices_text(n: Mapping, limit: int = 5) -> str:
+    """A node's likeliest next tokens with their probabilities, for a hover ("" when not recorded)."""
+    if not n.get("top_texts"):
+        return ""
+    pairs = list(zip(n["top_texts"], n["top_probs"]))[:limit]
+    return "the model's likeliest next tokens: " + ", ".join(f"{_label(t)} {prob_text(p)}" for t, p in pairs)
 
 
 def _node_hover(n: NodeRow) -> str:
@@ -190,8 +218,13 @@ def _node_hover(n: NodeRow) -> str:
                  f"retrieval score {n['score']:g}, mostly from {source_words(n['source'])}")
     verdict = "on the accepted path" if n["accepted"] else (
         "matches the model's choice at its parent" if n["chosen"] else "not what the model chose")
-    return (f"{head}<br>{score}<br>{verdict}<br>the model's choice after it: "
-            f"{_label(n['model_choice_text'])}")
+    if n.get("prob") is not None:
+        verdict += f"; the model gave this token {prob_text(n['prob'])} at its parent"
+    after = f"the model's choice after it: {_label(n['model_choice_text'])}"
+    if n.get("choice_prob") is not None:
+        after += f" ({prob_text(n['choice_prob'])})"
+    top = top_choices_text(n)
+    return f"{head}<br>{score}<br>{verdict}<br>{after}" + (f"<br>{top}" if top else "")
 
 
 # ------------------------------------------------------------------ tree mask
@@ -202,8 +235,9 @@ def mask_heatmap(step: StepDetail, show_prefix: bool = True) -> go.Figure:
     prefix, which every node sees whole."""
     block = np.asarray(step["mask_block"], dtype=bool)
     nodes = step["nodes"]
-    labels = [f"{n['node']} {_label(n['token_text'])}" for n in nodes]
-    hover = [[f"query {labels[r]} → key {labels[c]}: {'may attend' if block[r, c] else 'blocked'}"
+    labels = [f"{n['node']} {short_label(n['token_text'], 10)}" for n in nodes]
+    full = [f"{n['node']} {_label(n['token_text'])}" for n in nodes]
+    hover = [[f"query {full[r]} → key {full[c]}: {'may attend' if block[r, c] else 'blocked'}"
               for c in range(len(nodes))] for r in range(len(nodes))]
     scale = [[0, "#EEEEEE"], [0.5, "#EEEEEE"], [0.5, BLUE], [1, BLUE]]
     fig = go.Figure()
@@ -212,7 +246,7 @@ def mask_heatmap(step: StepDetail, show_prefix: bool = True) -> go.Figure:
         fig.add_trace(go.Heatmap(z=[[1] for _ in nodes], x=[prefix], y=labels, zmin=0, zmax=1, colorscale=scale,
                                  showscale=False, name="prefix", xgap=1, ygap=1, hoverinfo="text",
                                  hovertext=[[f"query {lab} sees all {step['prefix_len']} prefix tokens"]
-                                            for lab in labels]))
+                                            for lab in full]))
     fig.add_trace(go.Heatmap(
         z=block.astype(int).tolist(), x=labels, y=labels, zmin=0, zmax=1, colorscale=scale, xgap=1, ygap=1,
         name="tree mask", hovertext=hover, hoverinfo="text",
@@ -327,8 +361,8 @@ def continuation_tree_figure(nodes: Sequence[Mapping]) -> go.Figure:
     fig, x, y = _tree_skeleton(nodes)
     top = max((n["score"] or 0.0 for n in nodes[1:]), default=0.0) or 1.0
     total = nodes[0]["score"] if nodes and nodes[0]["score"] else top
-    for source, members, trace in _node_traces(nodes, x, y):
-        trace.update(textfont=dict(size=15, color="#222"),
+    for source, members, trace in _node_traces(nodes, x, y, 2.0):
+        trace.update(textfont=dict(size=13, color="#222"),
                      hovertext=[f"{_label(n['token_text'])}: depth {n['depth']}, "
                                 + ("the context's last token" if n["node"] == 0 else
                                    f"share of the retrieval weight {100 * (n['score'] or 0) / total:.0f}%")
@@ -342,4 +376,5 @@ def continuation_tree_figure(nodes: Sequence[Mapping]) -> go.Figure:
                   legend=dict(orientation="h", y=-0.12, x=0),
                   xaxis=dict(title="depth (0 = last context token)", dtick=1, zeroline=False,
                              range=[-0.4, max(x, default=0) + 1.6]),
-                  yaxis=dict(visible=False, autorange="reversed"), margin=dict(l=30, r=30, t=70, b=100))
+                  yaxis=dict(visible=False, range=[max(y, default=0) + 0.8, -0.8]),  # first leaf on top, none cut
+                  margin=dict(l=30, r=30, t=70, b=100))

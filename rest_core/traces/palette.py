@@ -41,3 +41,26 @@ def tint(colour: str, alpha: float) -> str:
     """A '#RRGGBB' colour as a translucent rgba() background."""
     r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
     return f"rgba({r},{g},{b},{alpha:g})"
+
+
+# A second cue beside colour, for readers who cannot tell the colours apart (and for print):
+# a marker shape per source in the draft tree, a fill pattern per source in bar charts.
+SOURCE_MARKERS = {"": "circle", "static": "circle", "request": "square", "history": "diamond",
+                  "model": "triangle-up"}
+FALLBACK_MARKERS = ("pentagon", "hexagon", "cross", "x", "triangle-down", "hourglass")
+SOURCE_PATTERNS = {"": "", "static": "", "request": "/", "history": "x", "model": "."}
+FALLBACK_PATTERNS = ("\\", "-", "|", "+")
+
+
+def source_marker(source: str) -> str:
+    """The plotly marker symbol of a source's draft nodes: fixed for the known ones, else by name hash."""
+    if source in SOURCE_MARKERS:
+        return SOURCE_MARKERS[source]
+    return FALLBACK_MARKERS[zlib.crc32(source.encode("utf-8")) % len(FALLBACK_MARKERS)]
+
+
+def source_pattern(source: str) -> str:
+    """The plotly bar pattern of a source ("" = solid): fixed for the known ones, else by name hash."""
+    if source in SOURCE_PATTERNS:
+        return SOURCE_PATTERNS[source]
+    return FALLBACK_PATTERNS[zlib.crc32(source.encode("utf-8")) % len(FALLBACK_PATTERNS)]

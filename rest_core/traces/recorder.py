@@ -37,6 +37,7 @@ from rest_core.trace import StepTrace
 from rest_core.traces.liveness import process_alive, process_start
 from rest_core.traces.masks import decode_block, full_mask
 from rest_core.traces.rows import (
+    ADDED_NODE_COLUMNS,
     BRANCH_COLUMNS,
     NODE_COLUMNS,
     STEP_COLUMNS,
@@ -141,6 +142,14 @@ def _insert_sql(table: str, columns: Sequence[str]) -> str:
     return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
 
 
+def _add_missing_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """Columns added to a table after its first schema, for a store written before them (their values NULL)."""
+    have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+    for name, kind in columns.items():
+        if name not in have:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+
+
 def default_db_path() -> Path:
     """traces.sqlite in the project cache (REST_LAB_CACHE, or ~/.cache/rest-lab)."""
     return cache_dir() / "traces.sqlite"
@@ -169,6 +178,7 @@ class TraceRecorder:
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
+            _add_missing_columns(conn, "draft_nodes", ADDED_NODE_COLUMNS)
         self.mark_interrupted()
 
     # -- connections: one per thread, reopened after a fork
@@ -379,8 +389,8 @@ class TraceRecorder:
             raise KeyError(f"no step {step} in run {run_id}")
         out = decode_json(rows[0])
         out["mask_block"] = decode_block(out.pop("tree_mask"))
-        out["nodes"] = list(self.db.query(
-            "SELECT * FROM draft_nodes WHERE run_id = ? AND step = ? ORDER BY node", [run_id, step]))
+        out["nodes"] = [decode_json(r) for r in self.db.query(
+            "SELECT * FROM draft_nodes WHERE run_id = ? AND step = ? ORDER BY node", [run_id, step])]
         out["branches"] = [decode_json(r) for r in self.db.query(
             "SELECT * FROM branches WHERE run_id = ? AND step = ? ORDER BY branch", [run_id, step])]
         if mask is not None:

@@ -16,6 +16,7 @@ import numpy as np
 from rest_core.phases import PHASES
 from rest_core.trace import Branch, StepTrace
 from rest_core.traces.masks import encode_block, mask_tree_block
+from rest_core.traces.tokens import token_label
 
 
 class RunRow(TypedDict):
@@ -83,6 +84,12 @@ class NodeRow(TypedDict):
     model_choice_text: str
     chosen: Optional[int]  # the model's choice at the parent is this token (None at the root)
     accepted: int  # on the accepted path
+    prob: Optional[float]  # the model's probability of this token at its parent (None: root, or not recorded)
+    choice_prob: Optional[float]  # the model's probability of model_choice after this node (None: not recorded)
+    top_tokens: Optional[list[int]]  # the model's likeliest next tokens after this node (None: not recorded)
+    top_texts: Optional[list[str]]
+    top_probs: Optional[list[float]]
+    uniform: Optional[float]  # sampling: the uniform number drawn at this node (None: not visited, or greedy)
 
 
 class BranchRow(TypedDict):
@@ -112,10 +119,13 @@ STEP_COLUMNS = (
 NODE_COLUMNS = (
     "run_id", "step", "node", "parent", "depth", "token_id", "token_text", "score", "source",
     "model_choice", "model_choice_text", "chosen", "accepted",
-)
+) + ("prob", "choice_prob", "top_tokens", "top_texts", "top_probs", "uniform")
+# columns added to draft_nodes after the first schema: a store written before them gets them (NULL) on opening
+ADDED_NODE_COLUMNS = {"prob": "REAL", "choice_prob": "REAL", "top_tokens": "TEXT", "top_texts": "TEXT",
+                      "top_probs": "TEXT", "uniform": "REAL"}
 BRANCH_COLUMNS = ("run_id", "step", "branch", "source", "tokens", "text", "count")
 JSON_COLUMNS = frozenset({"stores", "settings", "prompt_ids", "query", "matched_len", "new_tokens", "new_texts",
-                          "accepted_sources", "position_ids", "tokens"})
+                          "accepted_sources", "position_ids", "tokens", "top_tokens", "top_texts", "top_probs"})
 MAX_BRANCHES_PER_SOURCE = 32  # continuations stored per source and step (the most frequent ones)
 
 
@@ -126,6 +136,7 @@ class TokenTexts(dict):
     def __init__(self, tokenizer: Any = None):
         super().__init__()
         self.tokenizer = tokenizer
+        self.labels: dict[int, str] = {}
 
     def __missing__(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -139,6 +150,12 @@ class TokenTexts(dict):
 
     def join(self, ids: Iterable[int]) -> str:
         return "".join(map(self.__getitem__, ids))
+
+    def label(self, token_id: int) -> str:
+        """The token's text for a label: a character split across tokens shows as its bytes (`‹E2 80›`)."""
+        if token_id not in self.labels:
+            self.labels[token_id] = token_label(self.tokenizer, token_id, self[token_id])
+        return self.labels[token_id]
 
 
 def ids_json(ids: Iterable[int]) -> str:
@@ -165,11 +182,12 @@ def trace_rows(run_id: int, t: StepTrace, texts: TokenTexts) -> tuple[tuple, lis
     choices = [int(x) for x in t.model_choices]
     new_tokens = [int(x) for x in t.new_tokens]
     on_path = set(t.accepted_nodes)
+    probs = _node_probs(t, q)
     timings = t.timings_ms or {}
     step_row = (
         run_id, t.step, t.prefix_len, ids_json(t.query),
         json.dumps({k: int(v) for k, v in t.matched_len.items()}), q - 1, len(t.accepted_nodes) - 1,
-        int(t.bonus_token), texts[int(t.bonus_token)], ids_json(new_tokens),
+        int(t.bonus_token), texts.label(int(t.bonus_token)), ids_json(new_tokens),
         json.dumps([texts[x] for x in new_tokens]),
         json.dumps([t.tree_sources[n] for n in t.accepted_nodes[1:]]),
         ids_json(t.position_ids), encode_block(block), str(t.mask.dtype).removeprefix("torch."),
@@ -178,14 +196,31 @@ def trace_rows(run_id: int, t: StepTrace, texts: TokenTexts) -> tuple[tuple, lis
     for i in range(q):
         parent = int(t.tree_parents[i])
         node_rows.append((
-            run_id, t.step, i, parent, int(t.tree_depths[i]), tokens[i], texts[tokens[i]],
-            float(t.tree_scores[i]), t.tree_sources[i], choices[i], texts[choices[i]],
+            run_id, t.step, i, parent, int(t.tree_depths[i]), tokens[i], texts.label(tokens[i]),
+            float(t.tree_scores[i]), t.tree_sources[i], choices[i], texts.label(choices[i]),
             None if parent < 0 else int(choices[parent] == tokens[i]), int(i in on_path),
-        ))
+        ) + probs(i, texts))
     kept = _top_branches(t.branches, MAX_BRANCHES_PER_SOURCE)
     branch_rows = [(run_id, t.step, k, b.source, ids_json(b.tokens), texts.join(b.tokens), int(b.count))
                    for k, b in enumerate(kept)]
     return step_row, node_rows, branch_rows
+
+
+def _node_probs(t: StepTrace, q: int):
+    """The probability columns of node i (prob, choice_prob, top_tokens, top_texts, top_probs, uniform),
+    all None when the trace carries no probabilities."""
+    known = len(t.draft_probs) == len(t.choice_probs) == len(t.top_tokens) == len(t.top_probs) == q
+
+    def columns(i: int, texts: TokenTexts) -> tuple:
+        u = t.uniforms.get(i)
+        if not known:
+            return None, None, None, None, None, u
+        prob = t.draft_probs[i]
+        top = [int(x) for x in t.top_tokens[i]]
+        return (None if prob is None else float(prob), float(t.choice_probs[i]), ids_json(top),
+                json.dumps([texts.label(x) for x in top]), json.dumps([float(p) for p in t.top_probs[i]]), u)
+
+    return columns
 
 
 def _top_branches(branches: Sequence[Branch], limit: int) -> list[Branch]:
@@ -213,4 +248,15 @@ def step_trace(step: StepDetail) -> StepTrace:
         accepted_nodes=[n["node"] for n in nodes if n["accepted"]],
         bonus_token=step["bonus_token"], new_tokens=step["new_tokens"],
         timings_ms={p: step[f"t_{p}_ms"] for p in PHASES if step[f"t_{p}_ms"] is not None},
+        **_stored_probs(nodes),
     )
+
+
+def _stored_probs(nodes: Sequence[dict]) -> dict:
+    """The StepTrace probability fields from node rows (empty lists for a trace recorded without them)."""
+    uniforms = {n["node"]: n["uniform"] for n in nodes if n.get("uniform") is not None}
+    if not nodes or any(n.get("top_tokens") is None for n in nodes):
+        return {"uniforms": uniforms}
+    return {"draft_probs": [n["prob"] for n in nodes], "choice_probs": [n["choice_prob"] for n in nodes],
+            "top_tokens": [n["top_tokens"] for n in nodes],
+            "top_probs": [n["top_probs"] for n in nodes], "uniforms": uniforms}
