@@ -26,6 +26,7 @@ from rest_core.cost import CostModel
 from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model, load_tokenizer
 from rest_core.traces.recorder import TraceRecorder, default_db_path
 
+MAX_TOKENIZERS = 8  # tokenizers kept for replaying runs of models that are not loaded
 CostFactory = Callable[[LoadedModel, Sequence[Store]], Any]
 STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
 MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
@@ -292,6 +293,8 @@ class Engine:
         if not self.policy.offers(name):  # a public server never fetches what a recorded run names
             return None
         if name not in self._tokenizers:
+            while len(self._tokenizers) >= MAX_TOKENIZERS:  # forget the oldest
+                self._tokenizers.pop(next(iter(self._tokenizers)))
             try:
                 self._tokenizers[name] = load_tokenizer(name)
             except Exception:  # replay works without one (token ids shown instead)

@@ -25,6 +25,7 @@ from rest_core.app.panels import (
     live_figures,
     metrics_html,
     plain_estimate_ms,
+    step_ms,
     why_speed_html,
 )
 from rest_core.app.recording import STORE_ERRORS, Recording
@@ -138,8 +139,15 @@ class LiveAnswer:
         self.chat[-1]["content"] = self.answer(rows)
         stopped = self.recording.stopped or None
         per_token, how = plain_estimate_ms(rows, self.plain_ms)
-        view = View(chat=self.chat, metrics=metrics_html(rows, result.wall_s, self.plain_ms, state="done")
-                    + why_speed_html(rows, per_token, curve=self.curve, measured=f"estimated from {how}"),
+        partial = len(rows) < result.steps  # recording stopped: the figures are those of the recorded steps
+        elapsed = sum(step_ms(r) for r in rows) / 1e3 if partial else result.wall_s
+        metrics = metrics_html(rows, elapsed, self.plain_ms, state="done")
+        if partial:
+            metrics += (f'<div class="metric-note">Figures of the {len(rows)} recorded steps; the whole answer: '
+                        f"{len(result.tokens)} tokens in {result.steps} forward passes "
+                        f"({result.tokens_per_s:.1f} tokens/s).</div>")
+        view = View(chat=self.chat, metrics=metrics + why_speed_html(rows, per_token, curve=self.curve,
+                                                                     measured=f"estimated from {how}"),
                     run_id=self.run_id, done=True, notice=stopped or "", warning=stopped)
         if rows:  # the run is over: show its most telling step (the one that accepted most drafts)
             try:

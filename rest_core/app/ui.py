@@ -100,12 +100,13 @@ def build_sidebar(page: Page, defaults: lab.Settings) -> None:
         s = page.settings
         policy = page.engine.policy
         if policy.public:  # the operator's models only
-            s["model"] = gr.Dropdown(list(policy.models), value=policy.models[0], label="Model",
+            s["model"] = gr.Dropdown(list(policy.models), value=policy.models[0], label="Model", elem_id="model",
                                      allow_custom_value=False, info="The models this server offers.")
         else:
             s["model"] = gr.Dropdown(sorted({DEFAULT_MODEL, defaults.model}), value=defaults.model, label="Model",
-                                     allow_custom_value=True, info="The offline default, or a Hugging Face id / "
-                                                                   "local folder where the hub is reachable.")
+                                     elem_id="model", allow_custom_value=True,
+                                     info="The offline default, or a Hugging Face id / local folder where the hub "
+                                          "is reachable.")
         s["mode"] = gr.Radio(["chat", "completion"], value=defaults.mode, label="Prompt format",
                              info="chat: the model's chat template, multi-turn. completion: the text or code is "
                                   "continued as it is.")
