@@ -292,14 +292,17 @@ class Engine:
             return loaded[0].tokenizer
         if not self.policy.offers(name):  # a public server never fetches what a recorded run names
             return None
-        if name not in self._tokenizers:
+        if name in self._tokenizers:
+            return self._tokenizers[name]
+        try:
+            tokenizer = load_tokenizer(name)
+        except Exception:  # replay works without one (token ids shown instead)
+            tokenizer = None
+        with self._state_lock:
             while len(self._tokenizers) >= MAX_TOKENIZERS:  # forget the oldest
                 self._tokenizers.pop(next(iter(self._tokenizers)))
-            try:
-                self._tokenizers[name] = load_tokenizer(name)
-            except Exception:  # replay works without one (token ids shown instead)
-                self._tokenizers[name] = None
-        return self._tokenizers[name]
+            self._tokenizers[name] = tokenizer
+        return tokenizer
 
     def ready(self) -> bool:
         """Nothing is loading or building (the page stops polling the status)."""
