@@ -129,7 +129,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _prefill(lm: LoadedModel, prompt: Sequence[int]) -> DynamicCache:
+def prefill(lm: LoadedModel, prompt: Sequence[int]) -> DynamicCache:
     """Run every prompt token but the last through the model; the last is the first root."""
     cache = DynamicCache(config=lm.model.config)
     if len(prompt) > 1:
@@ -160,7 +160,7 @@ def plain_generate(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig = D
     gen = cfg.sampling.generator(lm.device)
     eos = lm.eos_token_ids
     start = time.perf_counter()
-    cache = _prefill(lm, prompt)
+    cache = prefill(lm, prompt)
     prefill_s = time.perf_counter() - start
     last, out, reason = prompt[-1], [], "context"
     while len(out) < room:
@@ -338,7 +338,7 @@ class RestDecoder:
         for store in self.stores:
             store.begin(prompt, cfg.retrieve.n_max, cfg.retrieve.n_min)
         start = time.perf_counter()
-        cache = _prefill(lm, prompt)
+        cache = prefill(lm, prompt)
         _sync(lm.device)
         res = DecodeResult(list(prompt), [], "", 0, 0.0, time.perf_counter() - start, "context",
                            phase_ms={p: 0.0 for p in PHASES})

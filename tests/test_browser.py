@@ -264,3 +264,100 @@ def test_model_source_has_a_switch_and_a_legend_key(page):
     switch.uncheck()
     assert not switch.is_checked()
     switch.check()
+
+
+def current_step(page) -> int:
+    return int(re.search(r"Step (\d+)\.", page.inner_text("#step-explanation")).group(1))
+
+
+def example_steps() -> list[dict]:
+    from rest_core.app.replay import EXAMPLE_RUN_ID, example_run
+
+    return example_run().load_steps(EXAMPLE_RUN_ID)
+
+
+def test_the_tour_walks_the_example_run(page):
+    """Every stop: its caption in the card, the part of the page it names outlined; keys and buttons move on."""
+    from rest_core.app.tour import STOPS
+
+    page.click("#tour-start")
+    card = page.locator("#tour-card .tour-card")
+    for i, stop in enumerate(STOPS):
+        card.get_by_text(f"{i + 1} / {len(STOPS)}").wait_for()
+        assert stop.title in card.inner_text()
+        page.wait_for_selector(f"#{stop.target}.tour-target")
+        assert page.locator(".tour-target").count() == 1, "one part of the page is highlighted at a time"
+        if i == 0:
+            assert "Example run" in page.input_value("#run-pick input")
+            page.locator("#step-explanation").get_by_text("Step ").first.wait_for()
+        if stop.target == "step-tree":
+            plot_rendered(page, "step-tree")
+            page.wait_for_timeout(600)  # the smooth scroll settles before the picture
+            page.screenshot(path=str(SHOTS / "tour.png"), clip={"x": 360, "y": 0, "width": 1240, "height": 1000})
+        if i == 1:  # back and forth: the Back button, then the arrow key a clicker sends
+            page.click("#tour-back")
+            card.get_by_text(f"1 / {len(STOPS)}").wait_for()
+            page.keyboard.press("ArrowRight")
+            card.get_by_text(f"2 / {len(STOPS)}").wait_for()
+        if i < len(STOPS) - 1:
+            page.click("#tour-next") if i % 2 else page.keyboard.press("ArrowRight")
+    assert page.inner_text("#tour-next") == "Finish"
+    page.click("#tour-next")
+    page.wait_for_selector("#tour-card .tour-card", state="detached")
+    page.wait_for_function("() => !document.querySelector('.tour-target')")
+
+
+def test_arrow_keys_walk_the_steps(page):
+    explanation = page.locator("#step-explanation")
+    page.locator("#step-explanation").click()  # the focus off any text box
+    start = current_step(page)
+    page.keyboard.press("ArrowRight")
+    explanation.get_by_text(f"Step {start + 1}.").wait_for()
+    page.keyboard.press("ArrowLeft")
+    explanation.get_by_text(f"Step {start}.").wait_for()
+    page.keyboard.press("End")
+    explanation.get_by_text(f"Step {len(example_steps()) - 1}.").wait_for()
+    page.keyboard.press("Home")
+    explanation.get_by_text("Step 0.").wait_for()
+    page.locator("#whatif-budget input[type=number]").focus()
+    page.keyboard.press("ArrowRight")  # a number box keeps its keys: the step stays
+    page.wait_for_timeout(500)
+    assert current_step(page) == 0
+    for _ in range(3):
+        page.click("#step-forward")
+    explanation.get_by_text("Step 3.").wait_for()
+
+
+def test_what_if_runs_a_step_again_beside_what_happened(page):
+    """On the example run (the run's model, the page's small store): a larger fixed budget, both sides drawn."""
+    from rest_core.app.tour import tour_step
+
+    k = tour_step(example_steps())
+    page.locator("#step-slider input[type=number]").fill(str(k))
+    page.locator("#step-slider input[type=number]").press("Enter")
+    page.locator("#step-explanation").get_by_text(f"Step {k}.").wait_for()
+    recorded = example_steps()[k]
+    page.locator("#whatif-budget-mode").get_by_text("fixed", exact=True).click()
+    budget = page.locator("#whatif-budget input[type=number]")
+    budget.fill("32")
+    budget.press("Tab")
+    page.click("#whatif-btn")
+    summary = page.locator("#whatif-summary")
+    summary.get_by_text(f"What if, at step {k}").wait_for(timeout=DECODE_MS)
+    plot_rendered(page, "whatif-recorded")
+    plot_rendered(page, "whatif-tree")
+    rows = page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#whatif-summary tr')]
+        .map(r => [...r.children].map(c => c.textContent.trim())).filter(c => c[0]).map(c => [c[0], c.slice(1)]))""")
+    then, now = map(int, rows["drafted tokens"])
+    assert then == recorded["draft_size"] and then < now <= 32, rows
+    accepted_then, accepted_now = map(int, rows["accepted drafts"])
+    assert accepted_then == recorded["accepted_len"] and accepted_now >= 0
+    assert int(rows["tokens per pass"][0]) == len(recorded["new_tokens"])
+    assert f"Step {k}: {then} draft tokens, {accepted_then} accepted" in page.inner_text("#whatif-recorded")
+    assert f"Step {k}: {now} draft tokens, {accepted_now} accepted" in page.inner_text("#whatif-tree")
+    assert "accepted path" in page.inner_text("#whatif-recorded-path")
+    assert "accepted path" in page.inner_text("#whatif-path")
+    assert "The what-if commits" in summary.inner_text()
+    page.locator("#whatif").scroll_into_view_if_needed()
+    snap(page, "whatif.png")
+    page.locator("#whatif").screenshot(path=str(SHOTS / "whatif-panel.png"))

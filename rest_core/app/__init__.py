@@ -19,8 +19,13 @@ Public face:
   the line of decodes; `Recording` (recording) -- a run's recording, which never stops its decode;
   `UploadGuard` (guard) -- the upload route's guard on a public server.
 
+* `WhatIf`, `replay_plan`, `replay_step` (whatif) and `what_if_views` (whatif_view) -- a recorded
+  step run again with other settings on the run's model, beside what happened; `STOPS` (tour) -- the
+  tour over the example run that ships with the page (replay's `example_run`).
+
 Modules import downstream only: settings → policy → turns → engine → session → recording →
-decoding / streaming / panels → live, replay → explorer → page → ui; guard after session.
+decoding / streaming / panels → live, replay → whatif → whatif_view, tour, explorer → page → ui_teach
+→ ui; guard after session.
 """
 from rest_core.app.engine import Engine, ModelSlot, StoreSlot
 from rest_core.app.explorer import explore

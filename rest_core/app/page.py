@@ -19,7 +19,10 @@ from rest_core.app.guard import check_room, sweep
 from rest_core.app.live import View, chat_turn, race
 from rest_core.app.recording import STORE_ERRORS
 from rest_core.app.replay import (
+    EXAMPLE_RUN_ID,
     check_panel,
+    check_run,
+    example_run,
     node_panel,
     run_choices,
     run_panels,
@@ -30,6 +33,9 @@ from rest_core.app.replay import (
 )
 from rest_core.app.session import Session, build_upload_store, save_uploads, upload_summary
 from rest_core.app.settings import UPLOADED, Settings, message_of, settings_from
+from rest_core.app.tour import STOPS, card_html, tour_step
+from rest_core.app.whatif import WhatIf, own_settings
+from rest_core.app.whatif_view import what_if_views
 
 try:  # on Hugging Face Spaces with ZeroGPU the decode handlers borrow a GPU
     import spaces
@@ -189,12 +195,21 @@ def show_node(page: Page, run_id: Any, index: Any, node: Any, state: Any, reques
     return {page.node_probs: shown["node_probs"]}
 
 
-def open_run_steps(page: Page, run_id: Any, state: Any, request: gr.Request) -> dict:
-    count = step_count(page.engine.recorder, Session.ensure(state, request), run_id) or 0
+def step_slider(count: int, value: int = 0) -> Any:
+    """The step slider of a run with `count` steps, standing on step `value`."""
     top = max(0, count - 1)
-    return {page.step_slider: gr.Slider(minimum=0, maximum=max(1, top), value=0, step=1, label=f"Step (0–{top})",
-                                        interactive=top > 0),
-            page.play_timer: gr.Timer(active=False), page.playing: False, page.play: gr.Button("▶ Play")}
+    return gr.Slider(minimum=0, maximum=max(1, top), value=max(0, min(value, top)), step=1, label=f"Step (0–{top})",
+                     interactive=top > 0)
+
+
+def open_run_steps(page: Page, run_id: Any, tour_at: Any, state: Any, request: gr.Request) -> dict:
+    """A run chosen: the slider at its first step (the tour's step for the example while the tour runs)."""
+    count = step_count(page.engine.recorder, Session.ensure(state, request), run_id) or 0
+    example = example_run()
+    start = tour_step(example.load_steps(EXAMPLE_RUN_ID)) if run_id == EXAMPLE_RUN_ID and example is not None \
+        and isinstance(tour_at, int) and tour_at >= 0 else 0
+    return {page.step_slider: step_slider(count, start), page.play_timer: gr.Timer(active=False),
+            page.playing: False, page.play: gr.Button("▶ Play")}
 
 
 def move_step(page: Page, delta: int, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
@@ -211,6 +226,14 @@ def step_back(page: Page, run_id: Any, index: Any, state: Any, request: gr.Reque
 
 def step_forward(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
     return move_step(page, +1, run_id, index, state, request)
+
+
+def step_first(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
+    return move_step(page, -2**40, run_id, index, state, request)
+
+
+def step_last(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
+    return move_step(page, 2**40, run_id, index, state, request)
 
 
 def toggle_play(page: Page, is_playing: bool) -> dict:
@@ -272,3 +295,72 @@ def on_explore(page: Page, text: str, budget_value: Any, state: Any, request: gr
         gr.Warning(msg)
         found = {"summary": f"⚠ {msg}", "suffix": "", "continuations": [], "tree": None}
     return {**outputs(page, found, EXPLORER), page.session: sess}
+
+
+# ---------------------------------------------------------------- the tour and "what if"
+
+def show_tour(page: Page, stop: int, state: Any, request: gr.Request) -> dict:
+    """Tour stop `stop` over the example run (the tour closes before the first and after the last)."""
+    sess = Session.ensure(state, request)
+    closed = {page.tour_box: gr.Column(visible=False), page.tour_card: "", page.tour_at: -1, page.session: sess}
+    example = example_run()
+    if not 0 <= stop < len(STOPS):
+        return closed
+    if example is None:
+        gr.Warning("The example run that ships with the page cannot be read, so the tour cannot start.")
+        return closed
+    steps = example.load_steps(EXAMPLE_RUN_ID)
+    k = tour_step(steps)
+    return {page.tabs: gr.Tabs(selected="steps"), page.run_pick: runs_update(page, sess, EXAMPLE_RUN_ID),
+            page.step_slider: step_slider(len(steps), k), page.tour_box: gr.Column(visible=True),
+            page.tour_card: card_html(stop, example.load_step(EXAMPLE_RUN_ID, k)), page.tour_at: stop,
+            page.tour_back: gr.Button(interactive=stop > 0),
+            page.tour_next: gr.Button("Finish" if stop == len(STOPS) - 1 else "Next →"), page.session: sess}
+
+
+def tour_start(page: Page, state: Any, request: gr.Request) -> dict:
+    return show_tour(page, 0, state, request)
+
+
+def tour_next(page: Page, at: Any, state: Any, request: gr.Request) -> dict:
+    return show_tour(page, (at if isinstance(at, int) else -2) + 1, state, request)
+
+
+def tour_back(page: Page, at: Any, state: Any, request: gr.Request) -> dict:
+    return show_tour(page, max(0, (at if isinstance(at, int) else 1) - 1), state, request)
+
+
+def tour_close(page: Page, state: Any, request: gr.Request) -> dict:
+    return show_tour(page, -1, state, request)
+
+
+WHAT_IF_VIEW = {"summary": "whatif_summary", "recorded": "whatif_recorded", "what_if": "whatif_tree",
+                "recorded_path": "whatif_recorded_path", "what_if_path": "whatif_path"}
+
+
+@on_gpu
+def on_what_if(page: Page, run_id: Any, index: Any, budget_mode: Any, budget: Any, n_max: Any, n_min: Any,
+               continuation_len: Any, sources: Any, state: Any, request: gr.Request) -> Iterator[dict]:
+    """Run the shown step again with the what-if settings, beside what happened (after a turn in line)."""
+    sess = Session.ensure(state, request)
+    try:
+        wi = WhatIf(str(budget_mode), whole(budget, "fixed budget"), whole(n_max, "n_max"), whole(n_min, "n_min"),
+                    whole(continuation_len, "continuation length"), tuple(sources or ()))
+    except ValueError as err:
+        yield {page.whatif_summary: f"⚠ {err}", page.session: sess}
+        return
+    for view in what_if_views(page.engine, sess, run_id, index, wi):
+        yield {page.session: sess, **outputs(page, vars(view), WHAT_IF_VIEW, skip_none=True)}
+
+
+def what_if_defaults(page: Page, run_id: Any, state: Any, request: gr.Request) -> dict:
+    """A run chosen: the what-if starts from the run's own settings, its panel empty."""
+    cleared = {page.whatif_summary: "", page.whatif_recorded: None, page.whatif_tree: None,
+               page.whatif_recorded_path: "", page.whatif_path: ""}
+    try:
+        own = own_settings(check_run(page.engine.recorder, Session.ensure(state, request), run_id))
+    except (KeyError, ValueError, TypeError, *STORE_ERRORS):
+        return cleared
+    controls = {name: getattr(own, name) for name in page.whatif_controls}
+    controls["sources"] = list(own.sources)
+    return {**cleared, **{page.whatif_controls[name]: value for name, value in controls.items()}}

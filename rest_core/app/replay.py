@@ -1,8 +1,13 @@
 """Recorded runs, replayed without the model: which runs a visitor may see, the run table,
-and one step taken apart (`step_view`) and told in plain words (`explain_step`)."""
+and one step taken apart (`step_view`) and told in plain words (`explain_step`).
+
+Beside the trace store's runs, every visitor sees the example run that ships with the page
+(assets/example-run.json, run id EXAMPLE_RUN_ID): read-only, the same for everyone, replayed
+from the file alone."""
 from __future__ import annotations
 
 import html
+from functools import lru_cache
 from typing import Any, Optional
 
 from rest_core.app.engine import Engine
@@ -10,8 +15,10 @@ from rest_core.app.markup import token_html
 from rest_core.app.panels import fit, panel
 from rest_core.app.recording import STORE_ERRORS
 from rest_core.app.session import Session
+from rest_core.app.settings import assets_dir, log
 from rest_core.phases import PHASES
 from rest_core.traces import figures, probs
+from rest_core.traces.exported import ExportedRun, ExportError
 from rest_core.traces.recorder import TokenTexts, TraceRecorder
 from rest_core.traces.runs import RUN_COLUMNS
 
@@ -21,6 +28,37 @@ CHOICE_HEADERS = ["node", "depth", "draft token", "drafted by", "score", "p (dra
                   "model's likeliest", "accepted"]
 MODEL_NODE = "the model's own earlier prediction after the same token (recycled)"  # a "model" node, in words
 NO_RUN = "Choose a run first (decode something in the Chat or Race tab to record one)."
+
+
+EXAMPLE_RUN_ID = -1  # the example run's id on the page (the trace store's ids start at 1)
+EXAMPLE_FILE = "example-run.json"
+
+
+@lru_cache(maxsize=1)
+def example_run() -> Optional[ExportedRun]:
+    """The example run that ships with the page (None, logged, when its file is missing or unreadable)."""
+    try:
+        return ExportedRun.from_file(assets_dir() / EXAMPLE_FILE, run_id=EXAMPLE_RUN_ID)
+    except ExportError as err:
+        log.warning("the example run is not available: %s", err)
+        return None
+
+
+def reader(recorder: TraceRecorder, run: dict) -> Any:
+    """What a run's steps are read from: the example's file for the example run, else the trace store."""
+    example = example_run()
+    return example if run["id"] == EXAMPLE_RUN_ID and example is not None else recorder
+
+
+class KnownTexts:
+    """A stand-in tokenizer that decodes only the token ids a recorded run holds texts for (the example run's
+    prompt and output), so its steps read as text with no tokenizer loaded."""
+
+    def __init__(self, texts: dict):
+        self.texts = {int(k): str(v) for k, v in (texts or {}).items()}
+
+    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        return "".join(self.texts.get(int(i), f"⟨{int(i)}⟩") for i in ids)
 
 
 def visible_runs(recorder: TraceRecorder, session: Session, limit: int = 500) -> list[dict]:
@@ -43,8 +81,16 @@ def run_label(run: dict) -> str:
     return f"#{run['id']} {run['status']}: {run.get('steps') or 0} steps{extra}: {prompt}{mine}"
 
 
+def example_label(run: dict) -> str:
+    prompt = (run.get("prompt") or "").replace("\n", " ")
+    return f"Example run (ships with REST Lab): {run.get('steps') or 0} steps: {prompt[:40]}…"
+
+
 def run_choices(recorder: TraceRecorder, session: Session) -> list[tuple[str, int]]:
-    return [(run_label(r), int(r["id"])) for r in visible_runs(recorder, session)]
+    """The run picker's choices: this visitor's runs, newest first, then the example run."""
+    example = example_run()
+    tail = [(example_label(example.run), EXAMPLE_RUN_ID)] if example is not None else []
+    return [(run_label(r), int(r["id"])) for r in visible_runs(recorder, session)] + tail
 
 
 def run_table(recorder: TraceRecorder, session: Session) -> list[list]:
@@ -68,6 +114,8 @@ def check_run(recorder: TraceRecorder, session: Session, run_id: Any) -> dict:
     if run_id in (None, ""):
         raise KeyError(NO_RUN)
     run_id = whole(run_id, "run")
+    if run_id == EXAMPLE_RUN_ID and example_run() is not None:
+        return example_run().get_run(run_id)
     try:
         run = recorder.get_run(run_id)
     except KeyError:
@@ -80,13 +128,14 @@ def check_run(recorder: TraceRecorder, session: Session, run_id: Any) -> dict:
 def open_run(recorder: TraceRecorder, session: Session, run_id: Any) -> tuple[dict, list[dict]]:
     """A run this visitor may see, and all its step rows."""
     run = check_run(recorder, session, run_id)
-    return run, recorder.load_steps(run["id"])
+    return run, reader(recorder, run).load_steps(run["id"])
 
 
 def step_count(recorder: TraceRecorder, session: Session, run_id: Any) -> Optional[int]:
     """How many steps a run has (None when this visitor may not see it)."""
     try:
-        return recorder.step_count(check_run(recorder, session, run_id)["id"])
+        run = check_run(recorder, session, run_id)
+        return reader(recorder, run).step_count(run["id"])
     except (KeyError, ValueError, *STORE_ERRORS):
         return None
 
@@ -219,7 +268,7 @@ def phase_title(phase: str) -> str:
 def step_view(recorder: TraceRecorder, run: dict, index: int, tokenizer: Any = None) -> dict:
     """Everything the step-through panel shows for one step of a run, loading that step only
     (tokenizer: optional, for the texts of context tokens the step did not produce itself)."""
-    step = recorder.load_step(run["id"], index)
+    step = reader(recorder, run).load_step(run["id"], index)
     texts = TextsOfRun([step], tokenizer)
     step["query_text"] = "".join(texts[int(t)] for t in step["query"][-8:])
     branches = [[b["source"], figures.show_token(b["text"]), b["count"]] for b in step["branches"][:60]]
@@ -227,16 +276,24 @@ def step_view(recorder: TraceRecorder, run: dict, index: int, tokenizer: Any = N
                 round(n["score"] or 0.0, 3), "" if n.get("prob") is None else figures.prob_text(n["prob"]),
                 figures.show_token(n["model_choice_text"]), _likeliest(n), "✓" if n["accepted"] else ""]
                for n in step["nodes"]]
+    return {"step": step, "suffix": suffix_html(step, texts), "branches": branches, "choices": choices,
+            "path": path_html(step), "explanation": explain_step(step, run), "tree": tree_panel(step),
+            "mask": panel(figures.mask_heatmap(step), 560), **node_view(step, run)}
+
+
+def path_html(step: dict) -> str:
+    """A step's accepted path, its bonus token and what it committed, in one line."""
     accepted = [n for n in step["nodes"] if n["accepted"]][1:]
     path = "".join(f'<span class="acc">{token_html(n["token_text"])}</span>' for n in accepted)
+    return (f'<div class="path">accepted path: {path or "<i>no draft token</i>"} + bonus '
+            f'<span class="bonus">{token_html(step["bonus_text"])}</span> → committed '
+            f'{len(step["new_tokens"])} token(s)</div>')
+
+
+def tree_panel(step: dict) -> Any:
+    """A step's draft tree for a half-width panel, tall enough for its depth."""
     tree = figures.draft_tree_figure(step)
-    path_html = (f'<div class="path">accepted path: {path or "<i>no draft token</i>"} + bonus '
-                 f'<span class="bonus">{token_html(step["bonus_text"])}</span> → committed '
-                 f'{len(step["new_tokens"])} token(s)</div>')
-    return {"step": step, "suffix": suffix_html(step, texts), "branches": branches, "choices": choices,
-            "path": path_html, "explanation": explain_step(step, run),
-            "tree": panel(tree, min(1400, max(480, int(tree.layout.height or 480)))),
-            "mask": panel(figures.mask_heatmap(step), 560), **node_view(step, run)}
+    return panel(tree, min(1400, max(480, int(tree.layout.height or 480))))
 
 
 def _likeliest(n: dict, k: int = 3) -> str:
@@ -258,7 +315,7 @@ def node_panel(engine: Engine, session: Session, run_id: Any, index: Any, node: 
     """The probability bars of one node of a recorded step (a message in the title when there is none)."""
     try:
         run = check_run(engine.recorder, session, run_id)
-        step = engine.recorder.load_step(run["id"], int(index or 0))
+        step = reader(engine.recorder, run).load_step(run["id"], int(index or 0))
         node = max(0, min(int(node or 0), len(step["nodes"]) - 1))
         return node_view(step, run, node)
     except (KeyError, ValueError, TypeError, *STORE_ERRORS):
@@ -272,7 +329,7 @@ def check_panel(engine: Engine, session: Session, run_id: Any, index: Any, node:
     """The sampling check of one node of a recorded step: many draws with the verifier's rule against the
     model's recorded distribution (ValueError / KeyError with a message when there is nothing to draw)."""
     run = check_run(engine.recorder, session, run_id)
-    step = engine.recorder.load_step(run["id"], int(index or 0))
+    step = reader(engine.recorder, run).load_step(run["id"], int(index or 0))
     node = probs.last_accepted(step["nodes"]) if node in (None, "") else int(node)
     return fit(probs.sampling_check_figure(probs.sampling_check(step, node, CHECK_DRAWS, seed=int(index or 0))))
 
@@ -289,11 +346,13 @@ def step_panel(engine: Engine, session: Session, run_id: Any, index: Any) -> dic
     try:
         rec = engine.recorder
         run = check_run(rec, session, run_id)
-        count = rec.step_count(run["id"])
+        count = reader(rec, run).step_count(run["id"])
         if not count:
             return {**EMPTY_STEP, "explanation": "This run recorded no step."}
         index = max(0, min(whole(index), count - 1))
-        return step_view(rec, run, index, engine.tokenizer_for(run.get("model")))
+        tokenizer = KnownTexts(run.get("token_texts")) if run["id"] == EXAMPLE_RUN_ID else \
+            engine.tokenizer_for(run.get("model"))
+        return step_view(rec, run, index, tokenizer)
     except (KeyError, ValueError) as err:
         return {**EMPTY_STEP, "explanation": f"⚠ {str(err).strip(chr(39))}"}
     except STORE_ERRORS as err:

@@ -35,6 +35,13 @@ class Cancelled(Exception):
     """The visitor stopped the decode (or left the page)."""
 
 
+def assets_dir() -> Path:
+    """The page's stylesheet, texts, script and example run: assets/ of a checkout, or the copy an installed
+    package carries (rest_core/app/assets)."""
+    checkout = Path(__file__).resolve().parents[2] / "assets"
+    return checkout if (checkout / "app.css").is_file() else Path(__file__).resolve().parent / "assets"
+
+
 def message_of(err: BaseException) -> str:
     """One clear line for the page: the message of a known error, the type of any other (paths under
     the server's home folder shown from ~)."""

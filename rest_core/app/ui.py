@@ -45,20 +45,15 @@ from rest_core.app.page import (
     toggle_play,
 )
 from rest_core.app.policy import Policy
-from rest_core.app.settings import log
+from rest_core.app.settings import assets_dir, log
+from rest_core.app.ui_teach import build_tour, build_tour_button, build_what_if, wire_teach
 from rest_core.model import DEFAULT_MODEL
 from rest_core.phases import PHASE_NOTES, PHASES
 
-
-def _assets() -> Path:
-    """The page's stylesheet and texts: assets/ of a checkout, or the copy an installed package carries."""
-    checkout = Path(__file__).resolve().parents[2] / "assets"
-    return checkout if (checkout / "app.css").is_file() else Path(__file__).resolve().parent / "assets"
-
-
-ASSETS = _assets()
+ASSETS = assets_dir()
 CSS = (ASSETS / "app.css").read_text(encoding="utf-8")
-LAUNCH_OPTIONS = dict(css=CSS, theme=gr.themes.Soft(primary_hue="blue"), max_file_size="20mb")
+HEAD = f"<script>{(ASSETS / 'tour.js').read_text(encoding='utf-8')}</script>"  # the tour's highlight, the keys
+LAUNCH_OPTIONS = dict(css=CSS, head=HEAD, theme=gr.themes.Soft(primary_hue="blue"), max_file_size="20mb")
 UPLOAD_TYPES = ["text", ".py", ".md", ".json", ".js", ".ts", ".c", ".h", ".cpp", ".java", ".rs", ".go", ".rb", ".sh",
                 ".toml", ".yaml", ".yml", ".csv", ".html", ".css", ".ipynb", ".tex", ".rst"]
 EXAMPLES = [["Write a Python function that checks whether a string is a palindrome.", "chat"],
@@ -197,9 +192,13 @@ def build_steps_tab(page: Page) -> None:
             page.refresh_runs = gr.Button("↻ Refresh", scale=0, size="sm")
         page.step_slider = gr.Slider(0, 1, value=0, step=1, label="Step", elem_id="step-slider")
         with gr.Row():
+            page.first = gr.Button("◀◀ First", elem_id="step-first", scale=0)
             page.back = gr.Button("◀ Back", elem_id="step-back")
             page.play = gr.Button("▶ Play", elem_id="step-play")
             page.forward = gr.Button("Forward ▶", elem_id="step-forward")
+            page.last = gr.Button("Last ▶▶", elem_id="step-last", scale=0)
+        gr.Markdown("Keys: ← → previous / next step, Home / End first / last (when no text box has the focus).",
+                    elem_classes="keys-note")
         page.explanation = gr.Markdown(elem_id="step-explanation", elem_classes="explanation")
         with gr.Row(equal_height=False):
             with gr.Column():
@@ -226,6 +225,7 @@ def build_steps_tab(page: Page) -> None:
                 page.check_btn = gr.Button("Draw this node 2,000 times: is sampling exact?", size="sm",
                                            elem_id="sample-check-btn")
                 page.check_plot = gr.Plot(show_label=False, elem_id="sample-check")
+        build_what_if(page)
         page.play_timer = gr.Timer(1.5, active=False)
         page.playing = gr.State(False)
 
@@ -306,7 +306,7 @@ def wire_replay(page: Page) -> None:
     step_out = [page.explanation, page.suffix, page.branches, page.choices, page.path, page.step_tree,
                 page.step_mask, page.node_probs, page.node_pick, page.session]
     private = dict(api_visibility="private")
-    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.session],
+    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.tour_at, page.session],
                          [page.step_slider, page.play_timer, page.playing, page.play], **private).then(
         bound(show_step, page), step_in, step_out, **private)
     page.step_slider.change(bound(show_step, page), step_in, step_out, api_name="step", trigger_mode="always_last",
@@ -348,7 +348,10 @@ def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Ca
         demo.engine, page.demo = page.engine, demo
         page.session = gr.State(None, delete_callback=lab.discard_session)
         build_sidebar(page, defaults or lab.Settings())
-        gr.Markdown(INTRO, elem_classes="intro")
+        with gr.Row(equal_height=False):
+            gr.Markdown(INTRO, elem_classes="intro")
+            build_tour_button(page)
+        build_tour(page)
         page.status = gr.Markdown(page.engine.status(), elem_classes="status")
         page.notice = gr.Markdown("", visible=False, elem_classes="notice", elem_id="notice")
         page.status_timer = gr.Timer(2.0)
@@ -362,6 +365,7 @@ def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Ca
                 gr.Markdown(how_it_works())
         wire_page(page)
         wire_replay(page)
+        wire_teach(page, decode_handlers(page))
     return demo
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from rest_core.phases import PHASES
 from rest_core.trace import Branch, StepTrace
-from rest_core.traces.masks import encode_block, mask_tree_block
+from rest_core.traces.masks import decode_block, encode_block, mask_tree_block
 from rest_core.traces.tokens import token_label
 
 
@@ -233,6 +233,17 @@ def _top_branches(branches: Sequence[Branch], limit: int) -> list[Branch]:
     for idx in ranked.values():
         keep.update(sorted(idx, key=lambda i: (-branches[i].count, branches[i].tokens))[:limit])
     return [b for i, b in enumerate(branches) if i in keep]
+
+
+def step_detail(t: StepTrace, texts: TokenTexts, run_id: int = 0) -> StepDetail:
+    """A step as `TraceRecorder.load_step` would give it back once recorded, without storing it (a step
+    computed for a look only, such as a replayed step under other settings)."""
+    step_row, node_rows, branch_rows = trace_rows(run_id, t, texts)
+    out = decode_json(dict(zip(STEP_COLUMNS, step_row)))
+    out["mask_block"] = decode_block(out.pop("tree_mask"))
+    out["nodes"] = [decode_json(dict(zip(NODE_COLUMNS, row))) for row in node_rows]
+    out["branches"] = [decode_json(dict(zip(BRANCH_COLUMNS, row))) for row in branch_rows]
+    return out
 
 
 def step_trace(step: StepDetail) -> StepTrace:
