@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -27,6 +28,33 @@ def private_cache(cache: Path) -> str:
     if (REAL_CACHE / "models").is_dir():
         (cache / "models").symlink_to(REAL_CACHE / "models")
     return str(cache)
+
+
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """For the tests of one module: the page's cache (trace store, session folders, cost statistics) and
+    Gradio's upload folder in temporary folders, never the real ones (modules ask for it with
+    `pytestmark = pytest.mark.usefixtures("module_cache")`)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REST_LAB_CACHE", private_cache(tmp_path_factory.mktemp("cache")))
+        mp.setenv("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
+        yield
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_values(outputs: list) -> list:
+    """Per output of a streamed API call, the last value that was not an 'unchanged' marker."""
+    last = [None] * len(outputs[0])
+    for out in outputs:
+        for i, value in enumerate(out):
+            if not (isinstance(value, dict) and value.get("__type__") == "update" and "value" not in value):
+                last[i] = value
+    return last
 
 
 class TinyTokenizer:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -25,25 +24,14 @@ from rest_core.app import session as session_module
 from rest_core.traces import figures
 from rest_core.traces.recorder import TraceRecorder
 
-from conftest import make_tiny_lm, private_cache
+from conftest import free_port, last_values, make_tiny_lm, private_cache
+
+pytestmark = pytest.mark.usefixtures("module_cache")
 
 PROMPT_IDS = [5, 6, 7, 8, 9]
 PROMPT = " ".join(f"t{t}" for t in PROMPT_IDS)
 TINY = sup.Settings(model="tiny", mode="completion", static=sup.BUILT_IN, max_new_tokens=24, budget_mode="fixed",
                     budget=8)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def module_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("REST_LAB_CACHE", private_cache(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -477,16 +465,6 @@ def served(tiny, tiny_store, tmp_path_factory):
 
 def settings_args(settings: sup.Settings) -> list:
     return [getattr(settings, f) for f in sup.Settings.__dataclass_fields__]
-
-
-def last_values(outputs: list) -> list:
-    """Per output, the last value that was not an 'unchanged' marker."""
-    last = [None] * len(outputs[0])
-    for out in outputs:
-        for i, value in enumerate(out):
-            if not (isinstance(value, dict) and value.get("__type__") == "update" and "value" not in value):
-                last[i] = value
-    return last
 
 
 def is_plot(value) -> bool:

@@ -8,35 +8,19 @@ artifacts/screenshots/ for inspection. Every wait is on a condition of the page
 from __future__ import annotations
 
 import re
-import socket
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from conftest import private_cache
+from conftest import free_port
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("module_cache")]
 
 CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
 DECODE_MS = 600_000  # a whole answer on a slow, shared CPU
 PROMPT = "import argparse\n\n\ndef main():\n    parser = argparse.ArgumentParser("
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def module_cache(tmp_path_factory):
-    """The page's cache (trace store, session folders, cost statistics) in a temporary folder, never the
-    real one; the converted default model is shared with the real cache when it is there already."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("REST_LAB_CACHE", private_cache(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")

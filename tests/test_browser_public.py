@@ -7,7 +7,6 @@ it part-way; every wait is on a condition of the page, never a fixed sleep.
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from rest_core import app as sup
 from rest_core.app.policy import Policy
 from rest_core.model import DEFAULT_MODEL
 
-from conftest import make_tiny_lm, private_cache
+from conftest import free_port, make_tiny_lm, private_cache
 
 pytestmark = pytest.mark.browser
 
@@ -26,12 +25,6 @@ POLICY = Policy(public=True, reason="test", models=(DEFAULT_MODEL, "tiny-random"
                 max_new_tokens=512, max_trace_bytes=100 * 1024)
 SETTINGS = sup.Settings(mode="completion", static=sup.NO_STATIC, max_new_tokens=400, budget_mode="fixed", budget=8)
 WAIT_MS = 300_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -29,18 +29,10 @@ import pytest
 
 from rest_core import app as sup
 
-from conftest import ROOT, private_cache
+from conftest import ROOT, free_port, last_values, private_cache
 
 PIP_TIMEOUT_S = 900
 START_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
@@ -99,16 +91,6 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def last_values(outputs: list) -> list:
-    """Per output, the last value that was not an 'unchanged' marker."""
-    last = [None] * len(outputs[0])
-    for out in outputs:
-        for i, value in enumerate(out):
-            if not (isinstance(value, dict) and value.get("__type__") == "update" and "value" not in value):
-                last[i] = value
-    return last
 
 
 # generate() with a streamer, plainly and through the checkout's custom_generate/ folder as a Hub repo

@@ -20,20 +20,15 @@ from rest_core.decode import DecodeConfig, plain_generate
 from rest_core.model import DEFAULT_MODEL, ModelLoadError
 from rest_core.traces.recorder import TraceRecorder
 
-from conftest import make_tiny_lm, private_cache
+from conftest import make_tiny_lm
+
+pytestmark = pytest.mark.usefixtures("module_cache")
 
 PROMPT_IDS = [5, 6, 7, 8, 9]
 PROMPT = " ".join(f"t{t}" for t in PROMPT_IDS)
 TINY = sup.Settings(model="tiny", mode="completion", static=sup.NO_STATIC, max_new_tokens=24, budget_mode="fixed",
                     budget=8)
 PUBLIC = Policy(public=True, reason="test", models=(DEFAULT_MODEL, "tiny"), max_new_tokens=256)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def module_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("REST_LAB_CACHE", private_cache(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")

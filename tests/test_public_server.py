@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +25,9 @@ from rest_core.app.policy import Policy
 from rest_core.model import DEFAULT_MODEL
 from rest_core.traces.recorder import TraceRecorder
 
-from conftest import make_tiny_lm, private_cache
+from conftest import free_port, make_tiny_lm
+
+pytestmark = pytest.mark.usefixtures("module_cache")
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "t5 t6 t7 t8 t9"
@@ -34,12 +35,6 @@ TINY = sup.Settings(model="tiny", mode="completion", static=sup.NO_STATIC, max_n
                     budget=8)
 POLICY = Policy(public=True, reason="test", models=(DEFAULT_MODEL, "tiny"), max_waiting=12)
 USERS, LOAD_S = 8, 12.0  # the load test: visitors at once, and how long each keeps sending
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def settings_args(settings: sup.Settings) -> list:
@@ -65,14 +60,6 @@ def rss_mb(pid: int | None = None) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def module_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("REST_LAB_CACHE", private_cache(tmp_path_factory.mktemp("cache")))
-        mp.setenv("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
-        yield
 
 
 @pytest.fixture(scope="module")

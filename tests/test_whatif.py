@@ -26,18 +26,13 @@ from rest_core.traces.recorder import TraceRecorder
 
 from conftest import make_tiny_lm, private_cache
 
+pytestmark = pytest.mark.usefixtures("module_cache")
+
 PROMPT_IDS = [5, 6, 7, 8, 9]
 PROMPT = " ".join(f"t{t}" for t in PROMPT_IDS)
 RUN = sup.Settings(model="tiny", mode="completion", static=sup.BUILT_IN, max_new_tokens=24, budget_mode="fixed",
                    budget=8, model_drafts=False)
 NODE_FIELDS = ("node", "parent", "depth", "token_id", "source", "score", "model_choice", "accepted")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def module_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("REST_LAB_CACHE", private_cache(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")
