@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,26 @@ def last_values(outputs: list) -> list:
             if not (isinstance(value, dict) and value.get("__type__") == "update" and "value" not in value):
                 last[i] = value
     return last
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@contextmanager
+def chromium_page(url: str, timeout_ms: int = 120_000):
+    """Debian's Chromium (headless, no background network) on the page at `url`, once its prompt box is there."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.set_default_timeout(timeout_ms)
+        page.goto(url)
+        page.wait_for_selector("#prompt textarea")
+        yield page
+        browser.close()
 
 
 class TinyTokenizer:

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import CHROMIUM, chromium_page, free_port
 
 pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("module_cache")]
 
-CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
 DECODE_MS = 600_000  # a whole answer on a slow, shared CPU
 PROMPT = "import argparse\n\n\ndef main():\n    parser = argparse.ArgumentParser("
@@ -49,18 +48,8 @@ def url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(url):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        pg = browser.new_page(viewport={"width": 1600, "height": 1000})
-        pg.set_default_timeout(120_000)
-        pg.goto(url)
-        pg.wait_for_selector("#prompt textarea")
+    with chromium_page(url) as pg:
         yield pg
-        browser.close()
 
 
 def snap(page, name: str) -> None:

@@ -15,11 +15,10 @@ from rest_core import app as sup
 from rest_core.app.policy import Policy
 from rest_core.model import DEFAULT_MODEL
 
-from conftest import free_port, make_tiny_lm, private_cache
+from conftest import CHROMIUM, chromium_page, free_port, make_tiny_lm, private_cache
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = Path("/usr/bin/chromium")
 SHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
 POLICY = Policy(public=True, reason="test", models=(DEFAULT_MODEL, "tiny-random"), max_prompt_chars=300,
                 max_new_tokens=512, max_trace_bytes=100 * 1024)
@@ -31,8 +30,6 @@ WAIT_MS = 300_000
 def page(tmp_path_factory):
     if not CHROMIUM.exists():
         pytest.skip("Chromium is not installed at /usr/bin/chromium (scripts/setup.sh --dev installs it)")
-    from playwright.sync_api import sync_playwright
-
     import app
 
     with pytest.MonkeyPatch.context() as mp:
@@ -44,16 +41,8 @@ def page(tmp_path_factory):
                               trace_db=str(tmp_path_factory.mktemp("traces") / "traces.sqlite"))
         _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
         SHOTS.mkdir(parents=True, exist_ok=True)
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-                "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--no-first-run"])
-            pg = browser.new_page(viewport={"width": 1600, "height": 1000})
-            pg.set_default_timeout(60_000)
-            pg.goto(url)
-            pg.wait_for_selector("#prompt textarea")
+        with chromium_page(url, timeout_ms=60_000) as pg:
             yield pg
-            browser.close()
         demo.close()
 
 
