@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from datastores import cache_dir
+from rest_core.kernels import KernelChoice, tune_linears
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -53,6 +54,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     eos_ids: Optional[frozenset[int]] = None  # when given, these end a decode instead of the model's own
+    kernels: Optional[KernelChoice] = None  # the linear kernels chosen on this machine (None: transformers' own)
     _cache_kw: Optional[str] = field(default=None, repr=False)
 
     @property
@@ -276,7 +278,9 @@ def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype:
     except Exception as err:  # every failure becomes one clear message
         raise _friendly(name, source, err) from err
     net.to(dev).eval()
-    return LoadedModel(model=net, tokenizer=tokenizer, name=name, source=source, device=dev, dtype=torch_dtype)
+    kernels = tune_linears(net, name)  # CPU float32 only: the faster linear kernel per row count, measured here
+    return LoadedModel(model=net, tokenizer=tokenizer, name=name, source=source, device=dev, dtype=torch_dtype,
+                       kernels=kernels)
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool = False, history: Optional[list[dict]] = None) -> list[int]:

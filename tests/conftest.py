@@ -24,10 +24,14 @@ REAL_CACHE = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "
 
 def private_cache(cache: Path) -> str:
     """A cache folder for a page under test (trace store, session folders, cost statistics) instead of
-    the real one; the converted default model is shared with the real cache when it is there already."""
+    the real one; the converted default model and the linear-kernel choice are shared with the real cache
+    when the model is there already."""
     cache.mkdir(parents=True, exist_ok=True)
     if (REAL_CACHE / "models").is_dir():
         (cache / "models").symlink_to(REAL_CACHE / "models")
+        # the linear-kernel choice is measured once per machine, not per test
+        (REAL_CACHE / "kernels").mkdir(exist_ok=True)
+        (cache / "kernels").symlink_to(REAL_CACHE / "kernels")
     return str(cache)
 
 

@@ -154,3 +154,32 @@ def test_the_calibration_is_kept_per_machine(tiny_lm, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(machine, "cpu_info", lambda: {"cpu": "Other CPU", "cpu_vendor": "x", "cpu_capability": "AVX2"})
     assert cost._calibration_path(tiny_lm) != here  # another CPU or instruction set: measured again
+
+
+def test_a_real_pass_caps_every_smaller_size_so_a_spoiled_calibration_recovers():
+    """A burst of load during the one-token passes made every tree look free (a flat curve); real timings of
+    big trees bring the small sizes down with them, and the budget falls back from its largest."""
+    rows = np.array([[11, 12, 13, 14, 15, 16, 17, 18]] * 2 + [[21, 22, 23, 24, 25, 26, 27, 28]] * 8
+                    + [[31 + i, 40, 41, 42, 43, 44, 45, 46] for i in range(10)])
+    tree = build_draft_tree(1, [OracleLookup("static", 4, 20, rows)], budget=63)
+    model = CostModel(times_ms=np.full(len(GRID), 342.0))
+    q = len(tree)
+    assert q in GRID and model.choose(tree) == tree.draft_size  # spoiled: everything costs the same
+    for _ in range(5):
+        model.observe(tree, [0], forward_ms=120.0)  # the real cost of that big pass, nothing accepted
+    i = GRID.index(q)
+    assert model.times_ms[i] == 120.0 and np.all(model.times_ms[:i] <= 120.0)
+    assert np.all(model.times_ms[i + 1:] == 342.0)  # larger sizes are not bounded by a smaller one
+    for _ in range(5):  # one-token steps then cost what they really cost
+        model.observe(build_draft_tree(1, [], budget=0), [0], forward_ms=40.0)
+    assert model.forward_ms(1) == 40.0 and model.choose(tree) < tree.draft_size
+
+
+def test_the_curve_is_measured_in_interleaved_rounds_keeping_each_sizes_fastest_pass(tiny_lm, monkeypatch):
+    seen = []
+    real = tiny_lm.forward
+    monkeypatch.setattr(tiny_lm, "forward", lambda cache, **kw: seen.append(kw["input_ids"].shape[1])
+                        or real(cache, **kw))
+    times = cost.measure_forward_curve(tiny_lm, prefix_len=8, repeats=2, grid=(1, 2, 4))
+    assert seen == [8] + [1, 2, 4] * 3  # the prefix, then a warm-up round and two timed rounds over every size
+    assert times.shape == (3,) and np.all(np.diff(times) >= 0) and times[0] > 0

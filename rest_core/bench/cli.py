@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 from datastores import open_static_store
-from rest_core.bench.methods import GREEDY_METHODS, TRACED
+from rest_core.bench.methods import DEFAULT_KERNELS, GREEDY_METHODS, SAMPLING_METHODS, TRACED
 from rest_core.bench.report import markdown
 from rest_core.bench.retrieval import retrieval_markdown, run_retrieval
 from rest_core.bench.runner import run_benchmark
 from rest_core.bench.suites import SUITES, chat_prompts, humaneval_prompts, load_suite
+from rest_core.bench.verify_pass import run_verify_pass
 from rest_core.cli_args import add_decode_arguments, decode_config
 from rest_core.model import load_model, load_tokenizer
 
@@ -30,8 +31,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p = subparsers.add_parser("bench", help="benchmark REST against plain decoding and HF generate()",
                               description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("benchmark")
-    g.add_argument("--suite", default=None, choices=[*SUITES, "retrieval"],
-                   help="humaneval (164 completion prompts), chat (instruction prompts, chat template) or retrieval")
+    g.add_argument("--suite", default=None, choices=[*SUITES, "retrieval", "verify"],
+                   help="humaneval (164 completion prompts), chat (instruction prompts, chat template), retrieval, "
+                        "or verify (the cost of one forward pass over q tokens, tuned vs default kernels)")
     g.add_argument("--retrieval", action="store_true", help="the store lookup micro-benchmark (= --suite retrieval)")
     g.add_argument("--limit", type=int, default=None, help="first N prompts only")
     g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED,),
@@ -39,6 +41,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--repeats", type=int, default=1,
                    help="run every method on every prompt N rounds, interleaved; speed figures are medians over "
                         "rounds, with the spread, and a per-prompt table is added")
+    g.add_argument("--kernels-ab", action="store_true",
+                   help="also run every method with transformers' default linear kernels (<method>@default), "
+                        "interleaved with the kernels chosen on this machine")
     g.add_argument("--out", default=None, help="output folder (default bench_out/<suite>-<timestamp>)")
     g.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for generate()")
     g.add_argument("--chi2-prompts", type=int, default=1, help="prompts for the first-token chi-square (sampling)")
@@ -65,6 +70,12 @@ def run_bench(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("bench_out") / f"{suite}-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     if suite == "retrieval":
         return _run_retrieval(args, out)
+    if suite == "verify":
+        lm = load_model(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        run_verify_pass(lm, out, rounds=7 * args.repeats, command=_command_line())  # --repeats N: 7N rounds
+        print((out / "results.md").read_text())
+        print(f"results in {out}/ (results.json, results.md)")
+        return 0
     if args.history != "none" or args.no_request_store:
         print("note: --history and --no-request-store are ignored by bench: each method fixes its stores",
               file=sys.stderr)
@@ -73,7 +84,8 @@ def run_bench(args: argparse.Namespace) -> int:
     lm = load_model(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     prompts = load_suite(suite, lm.tokenizer, args.limit)
     static = open_static_store(args.datastore, lm.tokenizer)
-    results = run_benchmark(lm, prompts, cfg, args.methods, static, out, suite=suite, datastore=args.datastore,
+    methods = kernel_variants(lm, args.methods, cfg) if args.kernels_ab else args.methods
+    results = run_benchmark(lm, prompts, cfg, methods, static, out, suite=suite, datastore=args.datastore,
                             command=_command_line(), prompt_lookup_tokens=args.prompt_lookup_tokens,
                             chi2_prompts=args.chi2_prompts, chi2_seeds=args.chi2_seeds, png=not args.no_png,
                             progress=not args.no_progress, repeats=args.repeats)
@@ -81,6 +93,15 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"results in {out}/ (results.json, results.md, chart.html"
           f"{', chart.png' if (out / 'chart.png').exists() else ''})")
     return 0
+
+
+def kernel_variants(lm, methods: list[str] | None, cfg) -> list[str]:
+    """Every method twice: with the kernels chosen on this machine and with the default ones ('@default')."""
+    if lm.kernels is None:
+        raise ValueError("--kernels-ab needs the tuned linear kernels: they apply to a float32 model on the CPU, "
+                         "and REST_LAB_KERNELS=default turns them off.")
+    names = list(methods or (GREEDY_METHODS if cfg.sampling.greedy else SAMPLING_METHODS))
+    return names + [m + DEFAULT_KERNELS for m in names]
 
 
 def _run_retrieval(args: argparse.Namespace, out: Path) -> int:

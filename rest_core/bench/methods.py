@@ -12,6 +12,8 @@ Methods
                     and holds this run's earlier answers of rest_full (empty at first)
   rest_model        the model's own predictions only (recycled tokens, source "model")
   rest_static_traced  (opt-in) rest_static with every step recorded to SQLite
+  <method>@default  (with --kernels-ab) the method with transformers' default linear kernels instead of
+                    the ones chosen on this machine (rest_core.kernels); its own stores and cost model
 
 Each method with the model source (rest_full, rest_model) has its own in-memory table of
 the model's predictions (`RecycleStore`), empty at first, that learns from every forward
@@ -23,7 +25,8 @@ from __future__ import annotations
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,6 +45,27 @@ TRACED = "rest_static_traced"
 SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model")
 REST_METHODS = ("rest_static", "rest_full", "rest_model", TRACED)
 MODEL_SOURCE_METHODS = ("rest_full", "rest_model")  # each gets its own table of the model's predictions
+DEFAULT_KERNELS = "@default"  # method suffix: run with transformers' default linear kernels
+
+
+def base_method(method: str) -> str:
+    """The method without its kernel variant: 'rest_full@default' -> 'rest_full'."""
+    return method.split("@", 1)[0]
+
+
+@contextmanager
+def kernel_variant(lm: LoadedModel, method: str) -> Iterator[None]:
+    """Run `method` with the linear kernels it names: the default ones for '<m>@default', else the tuned ones."""
+    choice = lm.kernels
+    if choice is None:
+        yield
+        return
+    was = choice.enabled
+    choice.enabled = not method.endswith(DEFAULT_KERNELS)
+    try:
+        yield
+    finally:
+        choice.enabled = was
 
 
 class ForwardLog:
@@ -88,7 +112,7 @@ class MethodRunner:
         self.prompt_lookup_tokens = prompt_lookup_tokens
         self.cost_model = CostModel.for_model(lm)  # the calibrated curve, for the relative verify cost
         self.static_store = static_store
-        self.history: HistoryStore | None = None
+        self.histories: dict[str, HistoryStore] = {}  # rest_full (and its kernel variant) -> its history
         self.model_drafts: dict[str, RecycleStore] = {}  # method -> its own table of the model's predictions
         self.trace_dir: Path | None = None
         self.recorder: TraceRecorder | None = None
@@ -96,21 +120,31 @@ class MethodRunner:
             self.trace_dir = Path(tempfile.mkdtemp(prefix="rest-bench-trace-"))
             self.recorder = TraceRecorder(self.trace_dir / "trace.sqlite")
         self._fresh_learned_stores()
-        self.decoders = {m: self._decoder(m) for m in self.methods if m in REST_METHODS}
+        self.decoders = {}
+        for m in self.methods:
+            if base_method(m) in REST_METHODS:
+                with kernel_variant(lm, m):  # the cost model's curve is the one of the kernels the method uses
+                    self.decoders[m] = self._decoder(m)
         self.log = ForwardLog(lm.model, lm.device)
+
+    @property
+    def history(self) -> HistoryStore | None:
+        """rest_full's history store (None without rest_full)."""
+        return self.histories.get("rest_full")
 
     def _fresh_learned_stores(self) -> None:
         """New, empty stores that learn during the run: rest_full's history, one model table per method."""
-        if "rest_full" in self.methods:
-            self.history = HistoryStore(path=None, n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
-        self.model_drafts = {m: RecycleStore(self.lm.vocab_size) for m in MODEL_SOURCE_METHODS if m in self.methods}
+        self.histories = {m: HistoryStore(path=None, n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
+                          for m in self.methods if base_method(m) == "rest_full"}
+        self.model_drafts = {m: RecycleStore(self.lm.vocab_size) for m in self.methods
+                             if base_method(m) in MODEL_SOURCE_METHODS}
 
     def _stores(self, method: str) -> list[Store]:
         """rest_static (and its traced twin): static only; rest_full: static, request, history and model;
         rest_model: model only."""
-        full = method == "rest_full"
-        return assemble_stores(static=None if method == "rest_model" else self.static_store, request=full,
-                               history=self.history if full else None, model=self.model_drafts.get(method),
+        full = base_method(method) == "rest_full"
+        return assemble_stores(static=None if base_method(method) == "rest_model" else self.static_store,
+                               request=full, history=self.histories.get(method), model=self.model_drafts.get(method),
                                n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
 
     def _decoder(self, method: str) -> RestDecoder:
@@ -145,10 +179,11 @@ class MethodRunner:
         rec = {"method": method, "ok": False, "error": None}
         self.log.reset()
         try:
-            if method.startswith("hf_"):
-                rec.update(self._run_hf(method, prompt, cfg))
-            else:
-                rec.update(self._run_ours(method, prompt, cfg, update_history))
+            with kernel_variant(self.lm, method):
+                if method.startswith("hf_"):
+                    rec.update(self._run_hf(method, prompt, cfg))
+                else:
+                    rec.update(self._run_ours(method, prompt, cfg, update_history))
             rec["ok"] = True
         except Exception as err:  # any failure of a method is recorded and the run goes on
             rec["error"] = f"{type(err).__name__}: {err}"
@@ -158,10 +193,10 @@ class MethodRunner:
         return rec
 
     def _decode(self, method: str, prompt: Sequence[int], cfg: DecodeConfig, update_history: bool) -> DecodeResult:
-        if method == "plain":
+        if base_method(method) == "plain":
             return plain_generate(self.lm, prompt, cfg)
         decoder = self.decoders[method]
-        if method != TRACED:
+        if base_method(method) != TRACED:
             return decoder.generate(prompt, cfg, update_history=update_history)
         run_id = self.recorder.start_run(model=self.lm.name, tokenizer_name=self.lm.name,
                                          stores=store_labels(decoder.stores), settings={"bench": True}, prompt="",
@@ -182,7 +217,7 @@ class MethodRunner:
         calls = list(self.log.calls)
         steps = calls[len(calls) - res.steps:] if res.steps else []
         rec = self._common(res.tokens, wall, calls, steps, forward_passes=res.steps)
-        speculative = method != "plain"
+        speculative = base_method(method) != "plain"
         rec.update(prefill_calls=len(calls) - res.steps, stop_reason=res.stop_reason, steps=res.steps,
                    accepted_drafts=res.accepted_drafts if speculative else 0,
                    draft_tokens=res.draft_tokens if speculative else 0,
@@ -200,7 +235,7 @@ class MethodRunner:
         pad = pad if isinstance(pad, int) else (eos[0] if eos else 0)
         kw = {"max_new_tokens": room, "do_sample": False, "eos_token_id": (eos or None) if cfg.stop_at_eos else None,
                   "pad_token_id": pad}
-        if method == "hf_prompt_lookup":
+        if base_method(method) == "hf_prompt_lookup":
             kw["prompt_lookup_num_tokens"] = self.prompt_lookup_tokens
         return kw
 

@@ -42,6 +42,8 @@ def machine_info(lm: LoadedModel | type[_CpuOnly]) -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""), "model": lm.name,
             "model_source": lm.source, "loadavg_start": loadavg()}
+    kernels = getattr(lm, "kernels", None)
+    info["kernels"] = kernels.describe() if kernels is not None else "transformers' default linear kernels"
     if lm.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(lm.device)
     return info
@@ -50,7 +52,7 @@ def machine_info(lm: LoadedModel | type[_CpuOnly]) -> dict:
 def machine_info_cpu() -> dict:
     """machine_info without a model: the CPU, as store lookups run there."""
     info = machine_info(_CpuOnly)
-    for k in ("device", "dtype", "model", "model_source"):
+    for k in ("device", "dtype", "model", "model_source", "kernels"):
         info.pop(k, None)
     return info
 
@@ -155,9 +157,11 @@ def _method_notes(summ: dict, greedy: bool) -> list[str]:
 
 def _check_notes(ch: dict, rounds: int = 1) -> list[str]:
     notes = []
-    if ch.get("plain_vs_hf_ms_per_token_ratio") is not None:
-        notes.append(f"Plain loop vs generate(): {ch['plain_vs_hf_ms_per_token_ratio']:.3f}× the time per token "
-                     + ("(within 5%)." if ch["plain_within_5pct_of_hf"] else f"— FLAG: {ch['plain_vs_hf_flag']}."))
+    for label, c in (("", ch), (" (both with the default kernels)", ch.get("default_kernels", {}))):
+        if c.get("plain_vs_hf_ms_per_token_ratio") is not None:
+            verdict = "(within 5%)." if c["plain_within_5pct_of_hf"] else f"— FLAG: {c['plain_vs_hf_flag']}."
+            notes.append(f"Plain loop vs generate(){label}: {c['plain_vs_hf_ms_per_token_ratio']:.3f}× the time per "
+                         f"token {verdict}")
     for d in ch.get("differences", []):
         gap = f", logit gap {d['logit_gap']:.4g}" if d.get("logit_gap") is not None else ""
         where = f" (round {d.get('round', 0) + 1})" if rounds > 1 else ""
@@ -204,9 +208,11 @@ def markdown(results: dict) -> str:
               f"{mc['torch_threads']}, device {mc['device']}{gpu}, {mc['dtype']}; torch {mc['torch']}, transformers "
               f"{mc['transformers']}; model {mc['model']}; load average {mc.get('loadavg_start')} at start, "
               f"{mc.get('loadavg_end')} at end."), "",
+             f"Linear kernels: {mc.get('kernels', 'not recorded')}.", "",
              f"Command: `{results.get('command') or '(library call)'}`", "",
              *_table(summ), "", *_source_table(summ.get("by_source")),
-             *_per_prompt_table(summ.get("per_prompt"), rounds)]
+             *_per_prompt_table(summ.get("per_prompt"), rounds),
+             *_per_prompt_table(summ.get("per_prompt_default_kernels"), rounds)]
     notes = _method_notes(summ, greedy) + _check_notes(results.get("checks", {}), rounds)
     if not greedy and results.get("distribution_check"):
         notes += _distribution_notes(results["distribution_check"])

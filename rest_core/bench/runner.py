@@ -25,7 +25,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from datastores import Store
-from rest_core.bench.methods import GREEDY_METHODS, SAMPLING_METHODS, TRACED, MethodRunner
+from rest_core.bench.methods import DEFAULT_KERNELS, GREEDY_METHODS, SAMPLING_METHODS, TRACED, MethodRunner, base_method
 from rest_core.bench.report import loadavg, machine_info, write_outputs
 from rest_core.bench.stats import checks, first_token_check, recording_overhead, summarize
 from rest_core.bench.suites import BenchPrompt
@@ -44,7 +44,8 @@ def _methods(cfg: DecodeConfig, methods: Sequence[str] | None) -> tuple[str, ...
     greedy = cfg.sampling.greedy
     allowed = GREEDY_METHODS if greedy else SAMPLING_METHODS
     methods = tuple(methods or allowed)
-    bad = [m for m in methods if m not in allowed + (TRACED,)]
+    bad = [m for m in methods if base_method(m) not in allowed + (TRACED,) or m.count("@") > 1
+           or ("@" in m and not m.endswith(DEFAULT_KERNELS))]
     if bad:
         raise ValueError(f"Methods {bad} are not available {'in greedy mode' if greedy else 'when sampling'}: "
                          f"choose from {', '.join(allowed)}.")
@@ -138,7 +139,8 @@ def _run_round(runner: MethodRunner, prompts: Sequence[BenchPrompt], cfg: Decode
 
 def _compare(lm: LoadedModel, prompt: BenchPrompt, by_method: dict, greedy: bool, eos: set[int]) -> None:
     """Mark each record identical (or not) to the reference: hf_greedy when greedy (else plain), plain when sampling."""
-    ref_name = "hf_greedy" if greedy and by_method.get("hf_greedy", {}).get("ok") else "plain"
+    ref_name = next((m for m in (("hf_greedy" + DEFAULT_KERNELS, "hf_greedy") if greedy else ())
+                     if by_method.get(m, {}).get("ok")), "plain")
     ref = by_method.get(ref_name)
     for rec in by_method.values():
         rec["reference"] = ref_name

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rest_core.bench.methods import REST_METHODS, SPECULATIVE, TRACED, MethodRunner
+from rest_core.bench.methods import DEFAULT_KERNELS, REST_METHODS, SPECULATIVE, TRACED, MethodRunner, base_method
 from rest_core.bench.suites import BenchPrompt
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig
@@ -51,7 +51,7 @@ def _method_summary(m: str, recs: list[dict], cm: CostModel) -> dict:
     ret = [x for r in ok for x in r["retrieve_ms"]]
     budgets = [b for r in ok for b in r["budgets"]]
     compared = [r for r in ok if r.get("identical") is not None]
-    spec = m in SPECULATIVE
+    spec = base_method(m) in SPECULATIVE
     return {
         "prompts_ok": len(ok), "prompts_failed": len(recs) - len(ok), "new_tokens": new, "wall_s": wall,
         "tokens_per_s": None,
@@ -65,7 +65,7 @@ def _method_summary(m: str, recs: list[dict], cm: CostModel) -> dict:
         "verify_cost_rel_model": float(np.mean([cm.relative_cost(q) for q in qs])) if qs else None,
         "forward_ms_per_step": float(np.mean(fwd)) if fwd else None,
         "verify_cost_rel_measured": None,
-        "mean_budget": float(np.mean(budgets)) if budgets and m in REST_METHODS else None,
+        "mean_budget": float(np.mean(budgets)) if budgets and base_method(m) in REST_METHODS else None,
         "identical": sum(bool(r["identical"]) for r in compared), "compared": len(compared),
     }
 
@@ -87,7 +87,8 @@ def _speed(out: dict, rounds: list[dict], greedy: bool) -> str | None:
     for m, s in out.items():
         s["tokens_per_s"] = _median([r["tokens_per_s"][m] for r in rounds])
         s["ms_per_token"] = _median([r["ms_per_token"][m] for r in rounds])
-    base_names = [m for m in (("plain", "hf_greedy") if greedy else ("plain",)) if out.get(m, {}).get("tokens_per_s")]
+    bases = ("plain", "hf_greedy") if greedy else ("plain",)  # with either kernels: the fastest is the baseline
+    base_names = [m for m in out if base_method(m) in bases and out[m].get("tokens_per_s")]
     baseline = max(base_names, key=lambda m: out[m]["tokens_per_s"]) if base_names else None
     for r in rounds:  # speedup in a round: over the baseline's tokens/s in that same round
         r["speedup"] = {m: _ratio(t, r["tokens_per_s"].get(baseline)) for m, t in r["tokens_per_s"].items()}
@@ -108,16 +109,26 @@ def summarize(records: list[dict], methods: Sequence[str], greedy: bool, cost_mo
     for s in out.values():
         if plain_fwd and s["forward_ms_per_step"] is not None:
             s["verify_cost_rel_measured"] = s["forward_ms_per_step"] / plain_fwd
-    return {"baseline": baseline, "reference": "hf_greedy" if greedy and "hf_greedy" in methods else "plain",
+    return {"baseline": baseline, "reference": reference_method(methods, greedy),
             "methods": out, "rounds": rounds, "by_source": source_summary(records, methods),
-            "per_prompt": per_prompt_ratios(records, PER_PROMPT_METHOD, baseline)}
+            "per_prompt": per_prompt_ratios(records, PER_PROMPT_METHOD, baseline),
+            "per_prompt_default_kernels": per_prompt_ratios(records, PER_PROMPT_METHOD + DEFAULT_KERNELS, baseline)}
+
+
+def reference_method(methods: Sequence[str], greedy: bool) -> str:
+    """Whose output the others must equal: generate() with transformers' own kernels where it ran (greedy),
+    else generate() with the tuned kernels, else (sampling) our plain loop."""
+    for m in (("hf_greedy" + DEFAULT_KERNELS, "hf_greedy") if greedy else ()):
+        if m in methods:
+            return m
+    return "plain"
 
 
 def source_summary(records: list[dict], methods: Sequence[str]) -> dict:
     """Per REST method and draft source: draft nodes sent to the model, committed draft tokens and their
     ratio, summed over every prompt and round the method completed.  Sources in the stores' merge order."""
     out = {}
-    for m in (m for m in methods if m in REST_METHODS):
+    for m in (m for m in methods if base_method(m) in REST_METHODS):
         ok = [r for r in records if r["method"] == m and r["ok"]]
         names = list(dict.fromkeys(s for r in ok for s in r.get("sources", ())))
         names += sorted({s for r in ok for s in r.get("drafted_by_source", {})} - set(names))
@@ -151,23 +162,32 @@ def per_prompt_ratios(records: list[dict], method: str, baseline: str | None) ->
     return {"method": method, "baseline": baseline, "prompts": prompts}
 
 
+def _plain_vs_hf(by_prompt, plain: str, hf: str) -> dict:
+    """Our plain loop's time per token over generate()'s, on the prompts and rounds where both ran."""
+    both = [(d[plain], d[hf]) for d in by_prompt if d.get(plain, {}).get("ok") and d.get(hf, {}).get("ok")]
+    if not both:
+        return {}
+    ours = sum(a["wall_s"] for a, _ in both) / max(1, sum(a["new_tokens"] for a, _ in both))
+    ref = sum(b["wall_s"] for _, b in both) / max(1, sum(b["new_tokens"] for _, b in both))
+    ratio = ours / ref if ref else None
+    out = {"plain_vs_hf_ms_per_token_ratio": ratio,
+           "plain_within_5pct_of_hf": ratio is not None and abs(ratio - 1.0) <= PLAIN_TOLERANCE}
+    if ratio is not None and not out["plain_within_5pct_of_hf"]:
+        out["plain_vs_hf_flag"] = (f"our plain loop takes {ratio:.3f}x the time per token of generate() "
+                                   f"({'slower' if ratio > 1 else 'faster'} by more than 5%)")
+    return out
+
+
 def checks(records: list[dict], summary: dict, greedy: bool) -> dict:
     """Plain loop vs generate() per token (prompts where both ran), and outputs that differ."""
     out = {}
     by = {}
     for r in records:
         by.setdefault((r.get("round", 0), r["prompt"]), {})[r["method"]] = r
-    both = [(d["plain"], d["hf_greedy"]) for d in by.values()
-            if d.get("plain", {}).get("ok") and d.get("hf_greedy", {}).get("ok")]
-    if greedy and both:
-        ours = sum(a["wall_s"] for a, _ in both) / max(1, sum(a["new_tokens"] for a, _ in both))
-        hf = sum(b["wall_s"] for _, b in both) / max(1, sum(b["new_tokens"] for _, b in both))
-        ratio = ours / hf if hf else None
-        out["plain_vs_hf_ms_per_token_ratio"] = ratio
-        out["plain_within_5pct_of_hf"] = ratio is not None and abs(ratio - 1.0) <= PLAIN_TOLERANCE
-        if ratio is not None and not out["plain_within_5pct_of_hf"]:
-            out["plain_vs_hf_flag"] = (f"our plain loop takes {ratio:.3f}x the time per token of generate() "
-                                       f"({'slower' if ratio > 1 else 'faster'} by more than 5%)")
+    if greedy:
+        out.update(_plain_vs_hf(by.values(), "plain", "hf_greedy"))
+        if any("plain" + DEFAULT_KERNELS in d for d in by.values()):  # the default-kernel pair, beside it
+            out["default_kernels"] = _plain_vs_hf(by.values(), "plain" + DEFAULT_KERNELS, "hf_greedy" + DEFAULT_KERNELS)
     out["differences"] = [{"prompt": r["prompt"], "round": r.get("round", 0), "method": r["method"],
                            "reference": r["reference"], **r.get("difference", {})}
                           for r in records if r.get("identical") is False]

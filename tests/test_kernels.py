@@ -1,0 +1,218 @@
+"""The linear kernels chosen per machine: same numbers as the default kernel, greedy unchanged, switchable,
+measured again on a new machine key, and the benchmark's side-by-side variant."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+import rest_core.kernels as kernels
+from datastores import assemble_stores
+from rest_core import cost
+from rest_core.bench import BenchPrompt, run_benchmark
+from rest_core.bench.cli import kernel_variants
+from rest_core.bench.verify_pass import cost_curves, verify_markdown
+from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
+from rest_core.kernels import ROWS, KernelChoice, TunedLinear, kernels_mode, row_table, tune_linears
+
+from conftest import make_tiny_lm
+from oracle import BruteForceStore
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("REST_LAB_KERNELS", raising=False)
+    monkeypatch.delenv("REST_LAB_RECALIBRATE", raising=False)
+    monkeypatch.setattr(kernels, "ROUNDS", 2)  # the tiny model's layers time in microseconds: keep it short
+
+
+def force(choice: KernelChoice, packed: bool) -> None:
+    """Every shape and row count on the prepacked kernel (or none): the kernel under test runs everywhere."""
+    choice.packed = {shape: {r: packed for r in ROWS} for shape in choice.packed}
+    for layer in choice.layers:
+        layer.pack()
+    choice.enabled = True
+
+
+def tuned_tiny(packed: bool = True):
+    lm = make_tiny_lm(layers=2)
+    reference = copy.deepcopy(lm.model)  # transformers' own layers, untouched
+    lm.kernels = tune_linears(lm.model, "tiny-random")
+    force(lm.kernels, packed)
+    return lm, reference
+
+
+def test_every_linear_is_swapped_and_gives_the_default_logits():
+    lm, reference = tuned_tiny()
+    linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
+    tuned = [m for m in lm.model.modules() if isinstance(m, TunedLinear)]
+    assert not linears and len(tuned) == 2 * 7 + 1  # q k v o gate up down per layer, and the output layer
+    assert all(layer.use_packed and all(layer.use_packed) for layer in tuned)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for q in (1, 3, 8, 40, 70):  # 70 rows: above the largest measured count, the choice at 64 applies
+            ids = torch.randint(0, 70_000, (1, q), generator=gen)
+            got, want = lm.model(input_ids=ids).logits, reference(input_ids=ids).logits
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (q, (got - want).abs().max())
+
+
+def test_tree_passes_with_a_cache_match_the_default_kernels():
+    """A verify pass (tree mask, DynamicCache) over q nodes: the same logits as transformers' layers."""
+    lm, reference = tuned_tiny()
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 70_000, (1, 20), generator=gen)
+    with torch.inference_mode():
+        caches = [DynamicCache(config=m.config) for m in (lm.model, reference)]
+        for m, c in zip((lm.model, reference), caches):
+            m(input_ids=prefix, past_key_values=c, use_cache=True)
+        ids = torch.randint(0, 70_000, (1, 9), generator=gen)
+        pos = torch.arange(20, 29)[None]
+        mask = torch.zeros((1, 1, 9, 29))
+        mask[0, 0, :, 20:] = torch.triu(torch.full((9, 9), torch.finfo(torch.float32).min), diagonal=1)
+        out = [m(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=c, use_cache=True).logits
+               for m, c in zip((lm.model, reference), caches)]
+    assert torch.allclose(out[0], out[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_greedy_rest_stays_identical_to_plain_with_either_kernel(packed):
+    lm, _ = tuned_tiny(packed)
+    prompt = [5, 9, 69_999, 3]
+    cfg = DecodeConfig(max_new_tokens=30, draft_budget=10, stop_at_eos=False)
+    plain = plain_generate(lm, prompt, cfg)
+    store = BruteForceStore([7, 8] + prompt + plain.tokens + [1, 2, 3] + prompt[-2:] + [4, 4, 4])
+    rest = RestDecoder(lm, stores=assemble_stores(static=store)).generate(prompt, cfg)
+    assert rest.tokens == plain.tokens and rest.steps < plain.steps
+    lm.kernels.enabled = False  # and the same tokens as with the default kernels throughout
+    assert plain_generate(lm, prompt, cfg).tokens == plain.tokens
+
+
+def test_the_switch_turns_the_tuned_kernels_off(monkeypatch):
+    monkeypatch.setenv("REST_LAB_KERNELS", "default")
+    lm = make_tiny_lm(layers=1)
+    assert tune_linears(lm.model, "tiny-random") is None
+    assert not any(isinstance(m, TunedLinear) for m in lm.model.modules())
+    monkeypatch.setenv("REST_LAB_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="REST_LAB_KERNELS='fastest'.*'auto'.*'default'"):
+        kernels_mode()
+    monkeypatch.setenv("REST_LAB_KERNELS", "auto")
+    lm, _ = tuned_tiny()
+    lm.kernels.enabled = False  # at run time, for side-by-side measurements
+    assert all(layer.use_packed == () for layer in lm.kernels.layers)
+    assert lm.kernels.key() == "" and "switched off" in lm.kernels.describe()
+    lm.kernels.enabled = True
+    assert all(layer.use_packed for layer in lm.kernels.layers) and lm.kernels.key().startswith("k")
+
+
+def test_the_choice_follows_the_measured_times_per_row_count():
+    assert row_table({1: False, 2: True, 8: False})[:10] == (False, False, True, True, True, True, True, True,
+                                                               False, False)
+    lm = make_tiny_lm(layers=1)
+    choice = tune_linears(lm.model, "tiny-random")
+    assert choice.source == "measured" and choice.measured_s > 0
+    for shape, table in choice.timings_ms.items():
+        assert set(table) == set(ROWS)
+        for r, (default_ms, packed_ms) in table.items():
+            assert default_ms > 0 and packed_ms > 0
+            margin = kernels.MARGIN_ONE_ROW if r == 1 else kernels.MARGIN
+            assert choice.packed[shape][r] == (packed_ms < default_ms * (1 - margin))
+    for layer in choice.layers:  # a packed copy only where some row count uses it
+        assert (layer.packed is not None) == any(choice.packed[layer.shape].values())
+
+
+def test_calibration_is_kept_per_machine_key_and_measured_again_on_a_new_one(monkeypatch, tmp_path):
+    measured = []
+    real = kernels._measure
+    monkeypatch.setattr(kernels, "_measure", lambda by_shape: measured.append(1) or real(by_shape))
+    monkeypatch.setattr(kernels, "machine_key", lambda: "machine-a")
+    first = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    again = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    assert len(measured) == 1 and again.source.endswith("machine-a.json") and again.packed == first.packed
+    monkeypatch.setattr(kernels, "machine_key", lambda: "machine-b")  # another CPU, thread count or torch
+    tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    assert len(measured) == 2
+    files = sorted(p.name for p in (tmp_path / "cache" / "kernels").iterdir())
+    assert files == ["tiny-random-cpu-float32-machine-a.json", "tiny-random-cpu-float32-machine-b.json"]
+    monkeypatch.setenv("REST_LAB_RECALIBRATE", "1")
+    tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    assert len(measured) == 3
+    monkeypatch.delenv("REST_LAB_RECALIBRATE")
+    path = tmp_path / "cache" / "kernels" / "tiny-random-cpu-float32-machine-b.json"
+    path.write_text("{not json")  # unreadable: measured again, never a crash
+    tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    assert len(measured) == 4 and json.loads(path.read_text())["version"] == kernels.VERSION
+
+
+def test_the_cost_curve_is_calibrated_per_kernel_choice():
+    lm, _ = tuned_tiny()
+    tuned_path = cost._calibration_path(lm)
+    lm.kernels.enabled = False
+    default_path = cost._calibration_path(lm)
+    assert tuned_path != default_path and lm.kernels.key() in tuned_path.name
+    lm.kernels = None
+    assert cost._calibration_path(lm) == default_path  # switched off = never tuned: the same curve
+
+
+def test_verify_pass_curve_times_both_kernels_interleaved():
+    lm, _ = tuned_tiny()
+    curves = cost_curves(lm, ["tuned", "default"], prefixes=(16,), grid=(1, 4), rounds=3)
+    for mode in ("tuned", "default"):
+        for q in (1, 4):
+            s = curves[16][mode][q]
+            assert s["n"] == 3 and 0 < s["p25"] <= s["median"] <= s["p75"]
+    assert lm.kernels.enabled  # left as it was found
+    md = verify_markdown({"machine": {"cpu": "x"}, "kernels": "k", "command": "c", "rounds": 3, "curves": curves,
+                          "profile": [{"prefix": 16, "q": 4, "mode": "tuned",
+                                       "groups_ms": {"linear": 1.0, "other": 0.5}}]})
+    assert "| 4 |" in md and "| 16 | 4 | tuned | 1.0 | 0.0 | 0.0 | 0.5 | 1.5 |" in md
+
+
+def test_benchmark_runs_every_method_with_both_kernels_against_untouched_generate(tmp_path):
+    lm, _ = tuned_tiny()
+    prompts = [BenchPrompt("p0", "p0", (5, 6, 7, 5, 6, 7, 5, 6))]
+    cfg = DecodeConfig(max_new_tokens=8)
+    methods = kernel_variants(lm, ["plain", "hf_greedy", "rest_full"], cfg)
+    assert methods == ["plain", "hf_greedy", "rest_full", "plain@default", "hf_greedy@default", "rest_full@default"]
+    seen = []
+    real_forward = TunedLinear.forward
+
+    def spy(self, x):
+        seen.append(bool(self.use_packed))
+        return real_forward(self, x)
+
+    TunedLinear.forward = spy
+    try:
+        res = run_benchmark(lm, prompts, cfg, methods, None, tmp_path / "out", png=False, progress=False)
+    finally:
+        TunedLinear.forward = real_forward
+    assert True in seen and False in seen  # both kernel settings really ran
+    assert lm.kernels.enabled
+    summ = res["summary"]
+    assert summ["reference"] == "hf_greedy@default"
+    assert all(r["ok"] and r["reference"] == "hf_greedy@default" and r["identical"] for r in res["records"])
+    assert summ["baseline"] in ("plain", "hf_greedy", "plain@default", "hf_greedy@default")
+    assert summ["per_prompt_default_kernels"]["method"] == "rest_full@default"
+    assert "default_kernels" in res["checks"]
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| rest_full@default |" in md and "Linear kernels: oneDNN prepacked linear" in md
+    assert np.isfinite(summ["methods"]["rest_full@default"]["tokens_per_s"])
+    lm.kernels = None
+    with pytest.raises(ValueError, match="--kernels-ab needs the tuned linear kernels"):
+        kernel_variants(lm, None, cfg)
+
+
+def test_the_command_line_knows_the_verify_suite_and_the_side_by_side_switch():
+    from rest_core.cli import _parser
+
+    args = _parser().parse_args(["bench", "--suite", "verify", "--kernels-ab", "--repeats", "2"])
+    assert args.suite == "verify" and args.kernels_ab and args.repeats == 2
+    with pytest.raises(ValueError, match="not available"):  # a variant of an unknown method is refused
+        run_benchmark(make_tiny_lm(layers=1), [BenchPrompt("p", "p", (1, 2))], DecodeConfig(max_new_tokens=2),
+                      ["rest_nothing@default"], None, None, progress=False)
