@@ -71,9 +71,14 @@ class ModelSlot:
         """A cost model exists already (the next one reuses its forward-pass measurements)."""
         return bool(self.costs)
 
+    def forward_curve(self) -> Optional[Callable[[int], float]]:
+        """The forward-pass time of q tokens as calibrated on this machine, when a cost model exists already."""
+        return next((c.forward_ms for c in list(self.costs.values()) if hasattr(c, "forward_ms")), None)
+
     def plain_ms(self) -> Optional[float]:
         """A one-token forward pass as calibrated, when a cost model exists already."""
-        return next((c.forward_ms(1) for c in list(self.costs.values()) if hasattr(c, "forward_ms")), None)
+        curve = self.forward_curve()
+        return curve(1) if curve is not None else None
 
 
 def default_cost_factory(lm: LoadedModel, stores: Sequence[Store]) -> CostModel:

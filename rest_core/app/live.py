@@ -57,11 +57,6 @@ class View:
     done: bool = False
 
 
-def cost_curve(slot: Any) -> Optional[Callable[[int], float]]:
-    """The forward-pass time of q tokens as calibrated on this machine, when a cost model exists already."""
-    return next((c.forward_ms for c in list(slot.costs.values()) if hasattr(c, "forward_ms")), None)
-
-
 def special_texts(tokenizer: Any) -> frozenset:
     return frozenset(getattr(tokenizer, "all_special_tokens", None) or ())
 
@@ -78,7 +73,7 @@ class LiveAnswer:
         self.steps = StepRows(engine.recorder, self.run_id) if self.run_id is not None else None
         self.plain_ms = prep.slot.plain_ms()
         self.tokenizer = prep.slot.lm.tokenizer
-        self.curve = cost_curve(prep.slot)
+        self.curve = prep.slot.forward_curve()
         self.hide = special_texts(self.tokenizer)
         self.text = Throttle(TEXT_INTERVAL_S)
         self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
@@ -305,7 +300,7 @@ def race_result(engine: Engine, prep: Prepared, settings: Settings, plain: Decod
             view.rest = figures.origin_spans(steps, special_texts(prep.slot.lm.tokenizer))
         view.speed = compact(figures.speed_figure(steps, rec.get_run(recording.run_id)), 440, bottom=110)
         view.metrics += why_speed_html(steps, 1e3 * plain.wall_s / max(1, plain.new_tokens),
-                                       1e3 * rest.wall_s / max(1, rest.steps), cost_curve(prep.slot),
+                                       1e3 * rest.wall_s / max(1, rest.steps), prep.slot.forward_curve(),
                                        "measured by the plain decode above, prefill included")
     except STORE_ERRORS:
         pass

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 
 from rest_core.app.decoding import static_store_for
 from rest_core.app.engine import Engine, ModelSlot
-from rest_core.app.live import cost_curve, take_turn
+from rest_core.app.live import take_turn
 from rest_core.app.markup import token_html
 from rest_core.app.replay import check_run, path_html, reader, tree_panel, whole
 from rest_core.app.session import Session
@@ -153,6 +153,6 @@ def _run_again(engine: Engine, session: Session, run: dict, steps: list, step: d
     sampled = float((run.get("settings") or {}).get("temperature") or 0) > 0
     agreement = _agreement(following, [int(t) for t in result.new_tokens], texts,
                            sampled and plan.cfg.sampling.greedy)
-    yield WhatIfView(summary=comparison_html(k, step, again, cost_curve(slot), agreement, notes + plan.notes),
+    yield WhatIfView(summary=comparison_html(k, step, again, slot.forward_curve(), agreement, notes + plan.notes),
                      recorded=tree_panel(step), what_if=tree_panel(again), recorded_path=path_html(step),
                      what_if_path=path_html(again), done=True, step=again)
