@@ -9,15 +9,19 @@
 * `HistoryStore` -- past answers, optionally persisted.
 * `RecycleStore` -- the model's own predictions (source "model"): each token's top-k
   successors from the last verify pass that saw it, drafted as a tree (recycled tokens).
+* The general-text store (`open_answers`, `datastores.answers`) -- the model's own answers
+  to a varied set of chat requests, a token store whose drafts are named "answers".
 * `assemble_stores` -- the one place a decode's stores are put together; the built-in
   Python store (`open_default_store`) and history (`open_history`) live beside it.
 """
+from datastores.answers import answers_store_path, build_answers_store
 from datastores.build import build_datastore, build_from_token_documents, reversed_suffix_array
 from datastores.builtin import (
     assemble_stores,
     default_history_path,
     default_recycle_path,
     default_store_path,
+    open_answers,
     open_default_store,
     open_history,
     open_recycle,
@@ -49,7 +53,9 @@ __all__ = [
     "Store",
     "StoreBase",
     "TokenDatastore",
+    "answers_store_path",
     "assemble_stores",
+    "build_answers_store",
     "build_datastore",
     "build_from_token_documents",
     "cache_dir",
@@ -62,6 +68,7 @@ __all__ = [
     "iter_jsonl",
     "iter_python_sources",
     "iter_text_files",
+    "open_answers",
     "open_default_store",
     "open_history",
     "open_recycle",

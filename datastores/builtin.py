@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
+from datastores.answers import Generate, answers_store_path, build_answers_store, open_answers_store
 from datastores.build import build_datastore
 from datastores.common import DatastoreError, Store, cache_dir
 from datastores.dynamic import HistoryStore, RequestStore
@@ -76,6 +77,30 @@ def open_static_store(spec: Optional[str], tokenizer: Any, progress: bool = True
     return TokenDatastore.open(spec, tokenizer=tokenizer)
 
 
+def open_answers(spec: Optional[str], model_name: str, tokenizer: Any, generate: Optional[Generate] = None,
+                 progress: bool = True) -> Optional[TokenDatastore]:
+    """The general-text store (the model's own answers to varied requests; drafts named "answers").
+
+    'default': the built-in one for this model, built on first use when `generate` is given (else a
+    DatastoreError says how to build it); 'none'/None: off; anything else: a store folder."""
+    if spec in (None, "none"):
+        return None
+    if spec != "default":
+        return open_answers_store(spec, tokenizer)
+    path = answers_store_path(model_name, tokenizer)
+    try:
+        return open_answers_store(path, tokenizer)
+    except DatastoreError:
+        if generate is None:
+            raise DatastoreError(f"the general-text store for {model_name} is not built yet; build it with "
+                                 f"`python -m rest_core answers` (a few minutes, once)") from None
+    with _build_lock(path):
+        try:
+            return open_answers_store(path, tokenizer)
+        except DatastoreError:
+            return build_answers_store(path, tokenizer, generate, progress=progress)
+
+
 def default_history_path(tokenizer: Any) -> Path:
     return cache_dir() / "history" / f"history-{tokenizer_fingerprint(tokenizer)[:12]}.npz"
 
@@ -115,13 +140,13 @@ def open_recycle(spec: Optional[str], tokenizer: Any, vocab_size: int, model_nam
 
 def assemble_stores(static: Optional[Store] = None, request: bool = True, history: Optional[Store] = None,
                     model: Optional[Store] = None, extra: Sequence[Store] = (), n_max: int = 16,
-                    n_min: int = 2) -> list[Store]:
-    """A decode's stores in merge order: static, request (prompt + answer so far), history, the model's
-    own predictions (recycled tokens), then any others.
+                    n_min: int = 2, answers: Optional[Store] = None) -> list[Store]:
+    """A decode's stores in merge order: static, answers (the general-text store), request (prompt +
+    answer so far), history, the model's own predictions (recycled tokens), then any others.
 
     Each source name may appear once: the draft tree, the cost model and the traces tell drafts
     apart by it."""
-    stores: list[Store] = [s for s in (static,) if s is not None]
+    stores: list[Store] = [s for s in (static, answers) if s is not None]
     if request:
         stores.append(RequestStore(n_max=n_max, n_min=n_min))
     stores.extend(s for s in (history, model, *extra) if s is not None)

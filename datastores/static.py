@@ -135,11 +135,13 @@ class TokenDatastore(StoreBase):
 
     @property
     def label(self) -> str:
-        return f"static:{self.name or self.path}"
+        return f"{self.source}:{self.name or self.path}"
 
-    def __init__(self, path: Path, meta: dict, name: str | None = None):
+    def __init__(self, path: Path, meta: dict, name: str | None = None, source: str | None = None):
         self.path = Path(path)
         self.name = name  # shown instead of the path where given
+        if source:
+            self.source = source  # a second static store drafts under its own name (e.g. "answers")
         self.meta = meta
         self.n_tokens = int(meta["n_tokens"])
         self.n_docs = int(meta["n_docs"])
@@ -159,9 +161,11 @@ class TokenDatastore(StoreBase):
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path: str | Path, tokenizer: Any = None, name: str | None = None) -> TokenDatastore:
+    def open(cls, path: str | Path, tokenizer: Any = None, name: str | None = None,
+             source: str | None = None) -> TokenDatastore:
         """Open a built store. With ``tokenizer``, refuse a store built by another one.
-        ``name`` labels it in runs and statistics instead of its path (``static:NAME``).
+        ``name`` labels it in runs and statistics instead of its path (``static:NAME``);
+        ``source`` names its drafts (default "static"), so two static stores can draft side by side.
 
         Checks on open: meta.json complete, every file present with the recorded size
         (consistent with n_tokens) and the sampled-block hash. ``verify()`` hashes all.
@@ -189,7 +193,7 @@ class TokenDatastore(StoreBase):
                 raise DatastoreError(f"{fpath} does not match its checksum (corrupt); {rebuild_hint(path)}")
         if tokenizer is not None:
             check_tokenizer(meta, tokenizer, path)
-        return cls(path, meta, name)
+        return cls(path, meta, name, source)
 
     def _map(self, name: str) -> mmap.mmap:
         with open(self.path / name, "rb") as f:

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+from functools import partial
+from typing import Optional
 
+from datastores import TokenDatastore, open_answers
 from rest_core.decode import DecodeConfig
+from rest_core.model import LoadedModel, generate_batch
 from rest_core.retrieve import RetrieveSettings
 from rest_core.sampling import Sampling
 
@@ -18,6 +22,9 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("stores")
     g.add_argument("--datastore", default="default",
                    help="'default' (Python sources, built on first use), 'none', or a store folder")
+    g.add_argument("--answers", default="auto",
+                   help="the general-text store (the model's own answers to varied requests, built once per model "
+                        "on first use): 'auto' (default: with chat prompts only), 'default', 'none', or a store folder")
     g.add_argument("--no-request-store", action="store_true", help="do not draft from the prompt and answer so far")
     g.add_argument("--history", default="none",
                    help="'none' (default), 'default' (persisted past answers) or a history file")
@@ -53,3 +60,12 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
                         sampling=Sampling(args.temperature, args.top_k, args.top_p, args.seed),
                         retrieve=RetrieveSettings(args.n_max, args.n_min, args.max_matches, args.continuation_len),
                         draft_budget=budget, stop_at_eos=not args.no_eos)
+
+
+def answers_for(args: argparse.Namespace, lm: LoadedModel, chat: bool) -> Optional[TokenDatastore]:
+    """The general-text store --answers asks for ('auto': the built-in one for chat prompts only), built
+    now (a few minutes, once per model) when it does not exist yet."""
+    spec = getattr(args, "answers", "auto")
+    if spec == "auto":
+        spec = "default" if chat and getattr(lm.tokenizer, "chat_template", None) else "none"
+    return open_answers(spec, lm.name, lm.tokenizer, generate=partial(generate_batch, lm))

@@ -8,24 +8,29 @@ number of draft tokens follows the expected gain:
 t(q) is the measured time of one forward pass over q tokens (calibrated once
 per model, device, dtype and machine -- rest_core.machine.machine_key: CPU,
 instruction set, threads, torch version -- cached, and refreshed with every
-step's real timing).  E[accepted] sums each kept node's chance of being accepted.  A
-node's share -- the fraction of its source's continuations that start with its
-path (for the model's own predictions, the prior chance of that path) -- is an
-estimate of that chance.  The estimate is calibrated online, per draft source and
-share bin: the fraction of drafted nodes that were really accepted.  Nodes are
-kept best chance first (a child never above its parent), so a source that is
-accepted more wins the budget over one that merely retrieved more.  When no tree
-pays for its cost, b = 0 is a plain step, so REST never runs slower than plain
-decoding by design.
+step's real timing).  E[accepted] sums each kept node's chance of being accepted,
+and a node is accepted only when its parent is: its chance is the product, along
+its path, of each node's chance of being accepted *once its parent was*.
 
-Acceptance is counted per draft source (any name a store gives itself) and kept
-between runs per model and set of stores: a request-store draft with a given
-share is accepted far more often than a static-store one with the same share.
-The cost curve is measured once per process for a model, device and machine.
+That conditional chance is learned online per draft source, in cells of
+(depth 1/2/3/4+, support: how many continuation rows run through the node,
+ratio: the share of its parent's rows that continue with it -- for the model's own
+predictions, the prior chance of its rank).  Every verified node whose parent was
+accepted counts in its cell, hit or miss.  Before a cell has data its estimate is
+the ratio scaled down (PRIOR_SCALE: retrieved text predicts the model's next token
+far less often than its rows agree), so the first steps of a new store draft
+little, and learning wins within a few decodes.  Nodes are kept best chance first
+(a child never above its parent), so a source that is accepted more wins the
+budget over one that merely retrieved more.  When no tree pays for its cost, b = 0
+is a plain step, so REST never runs slower than plain decoding by design.
+
+The counts are kept between runs per model and per store (its label: the Python
+store, the general-text store, the request store, ...), so a store that joins a
+new set of stores brings what was learned about it.  The cost curve is measured
+once per process for a model, device and machine.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -49,9 +54,14 @@ if TYPE_CHECKING:
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63)
-BINS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 0.95, 1.0001])  # share bins
-PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior (the share itself) in each bin: learning wins soon
-MAX_COUNT = 5000.0  # per bin: older observations fade so the calibration keeps adapting
+BINS = np.array([0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.9, 1.0001])  # ratio bins (a node's share of its parent's rows)
+DEPTHS = 4  # depth cells: 1, 2, 3, 4 and deeper
+SUPPORT = np.array([0.0, 2.0, 4.0, 16.0])  # support cells: 1, 2-3, 4-15, 16+ rows through the node
+SHAPE = (2, DEPTHS, len(SUPPORT), len(BINS) - 1)  # drafted / accepted counts per source
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior in each cell: learning wins soon
+PRIOR_SCALE = 0.4  # the prior: this fraction of the ratio
+MAX_COUNT = 5000.0  # per cell: older observations fade so the calibration keeps adapting
+STATS_VERSION = 2
 
 
 @dataclass
@@ -61,9 +71,10 @@ class CostModel:
     grid: tuple[int, ...] = GRID
     times_ms: np.ndarray = field(default_factory=lambda: np.zeros(len(GRID)))  # median forward time per grid size
     max_budget: int = 63
-    # per draft source: drafted / accepted node counts per share bin, (2, bins)
+    # per draft source: drafted / accepted counts of nodes whose parent was accepted, per cell (SHAPE)
     counts: dict[str, np.ndarray] = field(default_factory=dict)
     stats_path: Path | None = None  # where the acceptance counts persist between runs
+    labels: dict[str, str] = field(default_factory=dict)  # source name -> the store's label (the key on disk)
     _recent: dict = field(default_factory=dict, repr=False)
 
     # -- construction ---------------------------------------------------------------
@@ -87,9 +98,10 @@ class CostModel:
                                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
             if cache:
                 _CURVES[path] = times
-        model = cls(times_ms=np.array(times, dtype=float))
+        model = cls(times_ms=np.array(times, dtype=float),
+                    labels={s.source: getattr(s, "label", s.source) for s in stores or ()})
         if cache:
-            model.stats_path = _stats_path(lm, stores)
+            model.stats_path = _stats_path(lm)
             model.load_stats()
         return model
 
@@ -103,34 +115,36 @@ class CostModel:
 
     # -- the decision ---------------------------------------------------------------
     def _counts(self, source: str) -> np.ndarray:
-        """(2, bins) drafted / accepted counts of one draft source (created empty on first use)."""
+        """SHAPE drafted / accepted counts of one draft source (created empty on first use)."""
         got = self.counts.get(source)
         if got is None:
-            got = self.counts[source] = np.zeros((2, len(BINS) - 1))
+            got = self.counts[source] = np.zeros(SHAPE)
         return got
 
-    def acceptance(self, shares: np.ndarray, sources: Sequence[str]) -> np.ndarray:
-        """Calibrated chance that a node with this share of its source's continuations is accepted."""
-        b = _bins(shares)
-        drafted = np.zeros(len(shares))
-        accepted = np.zeros(len(shares))
+    def conditional(self, tree: DraftTree) -> np.ndarray:
+        """(n,) each draft node's calibrated chance of being accepted once its parent was."""
+        ratio, cells = _cells(tree)
+        sources = tree.sources[1:]
+        drafted = np.zeros(len(sources))
+        accepted = np.zeros(len(sources))
         for name in set(sources):
             rows = np.array([s == name for s in sources])
             c = self._counts(name)
-            drafted[rows], accepted[rows] = c[0, b[rows]], c[1, b[rows]]
-        return (accepted + PRIOR_WEIGHT * shares) / (drafted + PRIOR_WEIGHT)
+            idx = tuple(cell[rows] for cell in cells)
+            drafted[rows], accepted[rows] = c[0][idx], c[1][idx]
+        return (accepted + PRIOR_WEIGHT * PRIOR_SCALE * ratio) / (drafted + PRIOR_WEIGHT)
 
     def ranked(self, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
-        """Draft nodes (1-based) best first, and each one's calibrated chance of being accepted.
-
-        A node is accepted only with its parent, so its chance is capped at its parent's: then
-        every prefix of the ranking is a tree (ties go to the shallower node)."""
+        """Draft nodes (1-based) best first, and each one's chance of being accepted: the product of the
+        conditional chances along its path.  A child never beats its parent, so every prefix of the
+        ranking is a tree (ties go to the shallower node)."""
         n = tree.draft_size
-        chance = self.acceptance(tree.shares[1:], tree.sources[1:])  # (n,)
+        cond = self.conditional(tree)  # (n,)
+        chance = cond.copy()
         for i in range(n):  # parents come first
             parent = int(tree.parents[i + 1])
             if parent > 0:
-                chance[i] = min(chance[i], chance[parent - 1])
+                chance[i] *= chance[parent - 1]
         order = np.lexsort((np.arange(n), tree.depths[1:], -chance))
         return order + 1, chance[order]
 
@@ -162,15 +176,21 @@ class CostModel:
         """Learn from one verified step: which nodes were accepted, and what the pass cost."""
         q = len(tree)
         if q > 1:
-            bins = _bins(tree.shares[1:])
-            hit = np.zeros(q - 1)
-            hit[[n - 1 for n in accepted_nodes[1:]]] = 1.0
+            _, cells = _cells(tree)
+            taken = np.zeros(q, dtype=bool)
+            taken[list(accepted_nodes) or [0]] = True
+            taken[0] = True
+            seen = taken[tree.parents[1:]]  # (q-1,) the parent was accepted: this node was put to the test
+            hit = taken[1:].astype(float)
             sources = tree.sources[1:]
             for name in set(sources):
-                rows = np.array([s == name for s in sources])
+                rows = np.array([s == name for s in sources]) & seen
+                if not rows.any():
+                    continue
                 c = self._counts(name)
-                np.add.at(c[0], bins[rows], 1.0)
-                np.add.at(c[1], bins[rows], hit[rows])
+                idx = tuple(cell[rows] for cell in cells)
+                np.add.at(c[0], idx, 1.0)
+                np.add.at(c[1], idx, hit[rows])
                 full = c[0] > MAX_COUNT
                 if full.any():  # older observations fade so the calibration keeps adapting
                     c *= np.where(full, MAX_COUNT / np.maximum(c[0], 1.0), 1.0)
@@ -185,28 +205,57 @@ class CostModel:
                 self.times_ms[:i] = np.minimum(self.times_ms[:i], self.times_ms[i])
 
     def save_stats(self) -> None:
-        """Keep the acceptance counts for the next run (they depend on model and stores, not on hardware).
-        Called by whoever owns the cost model, after a decode; the decoder writes no files."""
-        if self.stats_path is not None:
-            _write_json(self.stats_path, {"bins": BINS.tolist(),
-                                          "sources": {k: v.tolist() for k, v in self.counts.items()}})
+        """Keep the acceptance counts for the next run, per store (they depend on model and store, not on
+        hardware); the other stores' counts in the file stay.  Called by whoever owns the cost model, after a
+        decode; the decoder writes no files."""
+        if self.stats_path is None:
+            return
+        stores = _stored_counts(_read_json(self.stats_path))
+        stores.update({self.labels.get(k, k): v.tolist() for k, v in self.counts.items()})
+        _write_json(self.stats_path, {"version": STATS_VERSION, "shape": list(SHAPE), "bins": BINS.tolist(),
+                                      "stores": stores})
 
     def load_stats(self) -> None:
-        """Counts saved by an earlier run with the same model and stores; anything unreadable is ignored."""
-        data = _read_json(self.stats_path)
-        if not isinstance(data, dict) or data.get("bins") != BINS.tolist() or not isinstance(data.get("sources"), dict):
-            return
+        """Counts saved by earlier runs with this model for these stores; anything unreadable is ignored."""
+        saved = _stored_counts(_read_json(self.stats_path))
         counts = {}
-        for name, value in data["sources"].items():
-            arr = np.asarray(value, dtype=float) if isinstance(value, list) else None
-            if arr is None or arr.shape != (2, len(BINS) - 1) or not np.isfinite(arr).all() or (arr < 0).any():
-                return
-            counts[str(name)] = arr
+        for label, value in saved.items():
+            arr = np.asarray(value, dtype=float)
+            name = next((n for n, lab in self.labels.items() if lab == label), None if self.labels else label)
+            if name is not None:
+                counts[name] = arr
         self.counts = counts
 
 
-def _bins(shares: np.ndarray) -> np.ndarray:
-    return np.clip(np.digitize(shares, BINS) - 1, 0, len(BINS) - 2)
+def _cells(tree: DraftTree) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per draft node: its ratio (share of its parent's rows, or its own share under a parent of another
+    source) and its cell (depth, support, ratio bin)."""
+    parents = tree.parents[1:]
+    shares = tree.shares[1:]
+    parent_share = tree.shares[parents]
+    same = np.array([tree.sources[int(p)] == s for p, s in zip(parents, tree.sources[1:])], dtype=bool)
+    ratio = np.clip(np.where(same & (parent_share > 0), shares / np.maximum(parent_share, 1e-12), shares), 0.0, 1.0)
+    depth = np.clip(tree.depths[1:] - 1, 0, DEPTHS - 1)
+    support = tree.support[1:] if tree.support.shape[0] == len(tree) else np.zeros(len(shares))
+    sup = np.clip(np.digitize(support, SUPPORT) - 1, 0, len(SUPPORT) - 1)
+    return ratio, (depth, sup, np.clip(np.digitize(ratio, BINS) - 1, 0, len(BINS) - 2))
+
+
+def _stored_counts(data) -> dict[str, list]:
+    """The per-store counts of a stats file this version wrote (empty for anything else)."""
+    if not isinstance(data, dict) or data.get("version") != STATS_VERSION or data.get("shape") != list(SHAPE) \
+            or data.get("bins") != BINS.tolist() or not isinstance(data.get("stores"), dict):
+        return {}
+    out = {}
+    for label, value in data["stores"].items():
+        try:
+            arr = np.asarray(value, dtype=float)
+        except (TypeError, ValueError):
+            return {}
+        if arr.shape != SHAPE or not np.isfinite(arr).all() or (arr < 0).any():
+            return {}
+        out[str(label)] = value
+    return out
 
 
 def measure_forward_curve(lm: LoadedModel, prefix_len: int = 256, repeats: int = 5,
@@ -293,10 +342,8 @@ def _cached_curve(lm, path: Path) -> Optional[np.ndarray]:
     return times if abs(now - times[0]) <= 0.25 * times[0] else None
 
 
-def _stats_path(lm, stores: Optional[Sequence]) -> Path:
-    labels = sorted(getattr(s, "label", getattr(s, "source", "?")) for s in stores or ())
-    key = hashlib.sha256("\n".join(labels).encode()).hexdigest()[:12] if labels else "any"
-    return cache_dir() / "cost" / f"{_safe(lm.name)}-{key}-acceptance.json"
+def _stats_path(lm) -> Path:
+    return cache_dir() / "cost" / f"{_safe(lm.name)}-acceptance-v{STATS_VERSION}.json"
 
 
 def _calibration_path(lm) -> Path:

@@ -15,6 +15,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -22,7 +23,13 @@ from urllib.parse import urlparse
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
@@ -89,6 +96,41 @@ class LoadedModel:
     @property
     def max_positions(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+
+
+def generate_batch(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
+                   between_steps: Optional[Callable[[], None]] = None) -> list[list[int]]:
+    """Greedy answers to several prompts at once (left-padded; one pass serves every row): each answer's
+    ids up to and including its first end-of-sequence token.  For building corpora, not for REST's
+    exact decoding: padding may change the last bits of a row's logits.  `between_steps` is called
+    after every new token (a background build waits there while a visitor decodes)."""
+    eos = sorted(lm.eos_token_ids)
+    pad = getattr(lm.tokenizer, "pad_token_id", None)
+    pad = pad if isinstance(pad, int) else (eos[0] if eos else 0)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=lm.device)  # (b, width)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=lm.device)
+    with torch.inference_mode():
+        out = lm.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                temperature=None, top_p=None, top_k=None, pad_token_id=pad,
+                                eos_token_id=eos or None, stopping_criteria=_pauses(between_steps))
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
+def _pauses(between_steps: Optional[Callable[[], None]]) -> Optional[StoppingCriteriaList]:
+    """A stopping criterion that never stops: it calls between_steps after each token."""
+    if between_steps is None:
+        return None
+
+    class _Between(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            between_steps()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    return StoppingCriteriaList([_Between()])
 
 
 def cache_root() -> Path:

@@ -37,6 +37,8 @@ class DraftTree:
     # (n,) float64: the share of its dominant source's continuations that run through each node
     # (root: 1.0) -- that source's own estimate of the chance the text continues this way
     shares: np.ndarray = field(default_factory=lambda: np.ones(1))
+    # (n,) float64: how many of its dominant source's continuation rows run through each node (root: 0)
+    support: np.ndarray = field(default_factory=lambda: np.zeros(1))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -48,7 +50,8 @@ class DraftTree:
 
 def root_only(root_token: int) -> DraftTree:
     return DraftTree(tokens=np.array([root_token], dtype=np.int64), parents=np.array([-1], dtype=np.int64),
-                     depths=np.zeros(1, dtype=np.int64), scores=np.zeros(1), sources=[""], children=[{}])
+                     depths=np.zeros(1, dtype=np.int64), scores=np.zeros(1), sources=[""], children=[{}],
+                     shares=np.ones(1), support=np.zeros(1))
 
 
 def source_weight(source: str, matched_len: int, base: dict[str, float]) -> float:
@@ -99,14 +102,15 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> t
     total = float(cum_src[:, -1] @ unit)
 
     source_total = cum_src[:, -1] * unit  # (S,) each source's whole weight
-    cand = {key: [] for key in ("depth", "token", "score", "start", "parent", "source", "share")}
+    cand = {key: [] for key in ("depth", "token", "score", "start", "parent", "source", "share", "support")}
     prev_starts, prev_ids = None, None
     next_id = 0
     for d in range(width):
         starts = np.flatnonzero(new_group[:, d])
         ends = np.append(starts[1:], k)
         tokens = rows[starts, d]
-        by_src = (cum_src[:, ends] - cum_src[:, starts]) * unit[:, None]  # (S, groups) weight per source
+        rows_src = cum_src[:, ends] - cum_src[:, starts]  # (S, groups) rows per source
+        by_src = rows_src * unit[:, None]  # (S, groups) weight per source
         if d == 0:
             parent = np.full(starts.shape[0], -1)
         else:  # the depth-(d-1) group that contains each depth-d group
@@ -121,7 +125,8 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> t
         share = by_src[dominant, np.flatnonzero(valid)] / source_total[dominant]
         for key, value in (("depth", np.full(int(valid.sum()), d + 1)), ("token", tokens[valid]),
                            ("score", by_src.sum(axis=0)[valid]), ("start", starts[valid]),
-                           ("parent", parent[valid]), ("source", dominant), ("share", share)):
+                           ("parent", parent[valid]), ("source", dominant), ("share", share),
+                           ("support", rows_src[dominant, np.flatnonzero(valid)].astype(float))):
             cand[key].append(value)
         prev_starts, prev_ids = starts, ids
         if not valid.any():
@@ -154,8 +159,14 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
     tree_scores = np.concatenate([[total], c["score"][keep]])
     sources = [""] + [names[i] for i in c["source"][keep]]
     shares = np.concatenate([[1.0], c["share"][keep]])
+    support = np.concatenate([[0.0], c["support"][keep]])
     return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources,
-                     _children(tree_tokens, tree_parents), shares)
+                     _children(tree_tokens, tree_parents), shares, support)
+
+
+def _take(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """values[keep], or zeros where a tree was made without per-node values (older callers)."""
+    return values[keep] if values.shape[0] > int(keep.max(initial=0)) else np.zeros(keep.size)
 
 
 def _children(tokens: np.ndarray, parents: np.ndarray) -> list[dict[int, int]]:
@@ -222,4 +233,5 @@ def keep_nodes(tree: DraftTree, nodes: np.ndarray) -> DraftTree:
     if (parents[1:] < 0).any():
         raise ValueError("keep_nodes: a kept node's parent was cut; keep a prefix-closed set of nodes")
     return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep],
-                     [tree.sources[i] for i in keep], _children(tree.tokens[keep], parents), tree.shares[keep])
+                     [tree.sources[i] for i in keep], _children(tree.tokens[keep], parents), tree.shares[keep],
+                     _take(tree.support, keep))

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -559,3 +560,67 @@ def test_api_step_and_explore(served):
     summary, *_ = client.predict("t1 t5 t6 t7", 8, *settings_args(TINY), api_name="/explore")
     assert "**static**: longest suffix 3 tokens" in summary and "draft tree: **8** tokens" in summary
     assert final[0][-1]["role"] == "assistant"
+
+
+# ---------------------------------------------------------------- the general-text store (source "answers")
+
+def answers_engine(tiny, tiny_store, traces, factory) -> sup.Engine:
+    engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: None,
+                        cost_factory=lambda lm, stores: None, recorder=TraceRecorder(traces), answers_factory=factory)
+    assert engine.start_static(engine.model(TINY.model)).finished.wait(30)
+    return engine
+
+
+def test_the_general_text_store_drafts_when_the_prompt_format_asks(tiny, tiny_store, tmp_path, session):
+    from datastores import TokenDatastore
+
+    answers = TokenDatastore.open(tiny_store.path, name="answers-tiny", source="answers")
+    engine = answers_engine(tiny, tiny_store, tmp_path / "t.sqlite", lambda slot, pause, st: answers)
+    assert engine.start_answers(engine.model(TINY.model)).finished.wait(30)
+    assert "general-text store ready" in engine.status()
+    only = replace(TINY, static=sup.NO_STATIC, request_store=False, model_drafts=False)
+    # completion (code continued as is) leaves it out by default; "always" drafts from it in any format
+    plain_run = run_turn(engine, session, only, PROMPT)[-1]
+    assert not any(label.startswith("answers") for label in engine.recorder.get_run(plain_run.run_id)["stores"])
+    assert replace(only, mode="chat").use_answers
+    assert not replace(only, answers=sup.ANSWERS_NEVER, mode="chat").use_answers
+    final = run_turn(engine, session, replace(only, answers=sup.ANSWERS_ALWAYS), PROMPT)[-1]
+    run, steps = sup.open_run(engine.recorder, session, final.run_id)
+    assert run["stores"] == ["answers:answers-tiny"] and run["settings"]["answers"] is True
+    assert any("answers" in (s["accepted_sources"] or []) for s in steps)
+    assert engine.recorder.get_run(final.run_id)["output"] == engine.recorder.get_run(plain_run.run_id)["output"]
+
+
+def test_the_general_text_store_build_steps_aside_while_a_visitor_decodes(tiny, tiny_store, tmp_path, session):
+    started, release, waited = threading.Event(), threading.Event(), []
+
+    def factory(slot, pause, st):
+        started.set()
+        release.wait(30)
+        t0 = time.time()
+        pause()  # between two tokens of the build
+        waited.append(time.time() - t0)
+        return None
+
+    engine = answers_engine(tiny, tiny_store, tmp_path / "t.sqlite", factory)
+    slot = engine.model(TINY.model)
+    st = engine.start_answers(slot)
+    assert started.wait(30) and st.state == "building"
+    assert "general-text store is being built" in engine.status() and not engine.ready()
+    with slot.lock:  # a decode holds the model
+        release.set()
+        time.sleep(0.4)
+        assert not st.finished.is_set(), "the build waits while the model is busy"
+    assert st.finished.wait(30) and waited[0] >= 0.3 and st.state == "off"
+
+
+def test_a_visitors_history_never_drafts_from_another_visitors_answers(engine, session):
+    settings = replace(TINY, static=sup.NO_STATIC, history_store=True, request_store=False, model_drafts=False)
+    first = run_turn(engine, session, settings, PROMPT)[-1]
+    mine = run_turn(engine, session, settings, PROMPT)[-1]  # my second answer drafts from my first
+    other = sup.Session(id="visitor-b")
+    theirs = run_turn(engine, other, settings, PROMPT)[-1]  # the same question from someone else
+    rec = engine.recorder
+    assert rec.get_run(first.run_id)["output"] == rec.get_run(theirs.run_id)["output"]
+    assert any("history" in (s["accepted_sources"] or []) for s in rec.load_steps(mine.run_id))
+    assert node_sources(rec, theirs.run_id) <= {""}, "nothing of visitor a's text is drafted for visitor b"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rest_core.cost
-from datastores import build_datastore, build_from_token_documents, iter_documents
+from datastores import TokenDatastore, build_datastore, build_from_token_documents, iter_documents
 from rest_core.bench import (
     GREEDY_METHODS,
     SAMPLING_METHODS,
@@ -36,6 +36,9 @@ from rest_core.traces.recorder import TraceRecorder
 from conftest import make_tiny_lm
 
 PROMPTS = [(5, 6, 7, 5, 6, 7, 5, 6), (11, 12, 13, 14, 11, 12)]
+# the methods a run without the general-text store runs by default
+GREEDY = tuple(m for m in GREEDY_METHODS if m != "rest_answers")
+SAMPLING = tuple(m for m in SAMPLING_METHODS if m != "rest_answers")
 TINY_TOKENIZER = {"name": "tiny", "fingerprint": None, "vocab_size": 70_000}
 
 
@@ -86,8 +89,8 @@ def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
     md = (out / "results.md").read_text()
     assert (out / "chart.html").stat().st_size > 1000
     summ = data["summary"]["methods"]
-    assert list(summ) == list(GREEDY_METHODS)
-    for m in GREEDY_METHODS:
+    assert list(summ) == list(GREEDY)
+    for m in GREEDY:
         assert f"| {m} |" in md
         assert set(SUMMARY_KEYS) <= set(summ[m])
         assert summ[m]["prompts_ok"] == 2 and summ[m]["prompts_failed"] == 0
@@ -98,16 +101,16 @@ def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
     assert data["machine"]["cpu_capability"] == cap and f"torch uses {cap}" in md
     assert data["machine"]["cpu"] in md and (data["machine"]["cpu_vendor"] or "") in md
     recs = data["records"]
-    assert len(recs) == 2 * len(GREEDY_METHODS) and all(r["ok"] for r in recs)
+    assert len(recs) == 2 * len(GREEDY) and all(r["ok"] for r in recs)
     # interleaved, the order rotating per prompt
     for i in range(2):
         order = [r["method"] for r in sorted((r for r in recs if r["prompt_index"] == i), key=lambda r: r["order"])]
-        assert order == rotated(GREEDY_METHODS, i)
+        assert order == rotated(GREEDY, i)
     # the HF methods really ran: their forward calls were seen, their tokens are the greedy output
     for r in recs:
         assert r["new_tokens"] == len(r["tokens"]) > 0 and r["forward_passes"] >= 1 and r["log_consistent"]
     ref = {r["prompt"]: r["tokens"] for r in recs if r["method"] == "hf_greedy"}
-    for m in GREEDY_METHODS:
+    for m in GREEDY:
         mine = [r for r in recs if r["method"] == m]
         same = sum(identical(ref[r["prompt"]], r["tokens"], lm.eos_token_ids) for r in mine)
         assert summ[m]["identical"] == same and summ[m]["compared"] == 2
@@ -126,9 +129,9 @@ def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
             assert f"| {m} | {src} |" in md
     # summary numbers recomputed from the per-prompt records
     tps = {m: sum(r["new_tokens"] for r in recs if r["method"] == m)
-           / sum(r["wall_s"] for r in recs if r["method"] == m) for m in GREEDY_METHODS}
+           / sum(r["wall_s"] for r in recs if r["method"] == m) for m in GREEDY}
     base = max(tps["plain"], tps["hf_greedy"])
-    for m in GREEDY_METHODS:
+    for m in GREEDY:
         mine = [r for r in recs if r["method"] == m]
         assert summ[m]["tokens_per_s"] == pytest.approx(tps[m])
         assert summ[m]["speedup"] == pytest.approx(tps[m] / base)
@@ -173,6 +176,28 @@ def test_rest_model_drafts_from_the_models_own_predictions_only(lm, tmp_path):
     assert summ["identical"] == summ["compared"] == 2
     for r in recs:
         assert r["tokens"] == plain_generate(lm, PROMPTS[r["prompt_index"]], cfg).tokens
+
+
+def test_rest_answers_drafts_from_the_general_text_store_only(lm, store, tmp_path):
+    answers = TokenDatastore.open(store.path, name="answers-tiny", source="answers")
+    out = tmp_path / "out"
+    cfg = DecodeConfig(max_new_tokens=12)
+    res = run_benchmark(lm, _prompts(), cfg, ["plain", "rest_answers", "rest_full"], store, out, png=False,
+                        progress=False, answers_store=answers)
+    recs = {m: [r for r in res["records"] if r["method"] == m] for m in ("rest_answers", "rest_full")}
+    assert all(r["sources"] == ["answers"] for r in recs["rest_answers"])
+    assert all(r["sources"][:3] == ["static", "answers", "request"] for r in recs["rest_full"])
+    assert sum(r["accepted_by_source"].get("answers", 0) for r in recs["rest_answers"]) > 0
+    for r in recs["rest_answers"]:
+        assert r["tokens"] == plain_generate(lm, PROMPTS[r["prompt_index"]], cfg).tokens
+    assert res["settings"]["answers_store"]["documents"] == store.n_docs
+    assert "| rest_answers | answers |" in (out / "results.md").read_text()
+    # without the store the method is refused by name, and left out of the default list
+    with pytest.raises(ValueError, match="rest_answers needs the general-text store"):
+        MethodRunner(lm, store, cfg, ["rest_answers"])
+    res = run_benchmark(lm, _prompts()[:1], DecodeConfig(max_new_tokens=2), None, store, None, png=False,
+                        progress=False)
+    assert "rest_answers" not in res["settings"]["methods"]
 
 
 def test_each_model_source_method_learns_its_own_table_from_empty(lm, store):
@@ -260,15 +285,15 @@ def test_sampling_mode_reproduces_plain_and_runs_the_distribution_check(lm, stor
     res = run_benchmark(lm, _prompts(), cfg, None, store, tmp_path, chi2_prompts=1, chi2_seeds=12,
                         png=False, progress=False)
     summ = res["summary"]["methods"]
-    assert list(summ) == list(SAMPLING_METHODS) and res["summary"]["baseline"] == "plain"
+    assert list(summ) == list(SAMPLING) and res["summary"]["baseline"] == "plain"
     recs = res["records"]
     assert {r["seed"] for r in recs} == {3, 4}
     plain = {r["prompt"]: r["tokens"] for r in recs if r["method"] == "plain"}
-    for m in SAMPLING_METHODS:
+    for m in SAMPLING:
         same = sum(r["tokens"] == plain[r["prompt"]] for r in recs if r["method"] == m)
         assert summ[m]["identical"] == same
     dc = res["distribution_check"]["prompts"][0]["methods"]
-    assert set(dc) == set(SAMPLING_METHODS) and all(v["runs"] == 12 for v in dc.values())
+    assert set(dc) == set(SAMPLING) and all(v["runs"] == 12 for v in dc.values())
     with pytest.raises(ValueError, match="not available"):
         run_benchmark(lm, _prompts(), cfg, ["hf_greedy"], store, None, png=False, progress=False)
 
@@ -369,7 +394,9 @@ def test_one_bench_run_measures_the_forward_curve_once(lm, store, monkeypatch):
     assert len(measured) == 1
     # the bench owns the choosers: each REST decode (warm-up included) keeps its own chooser's counts
     assert len(saved) == 2 * (1 + len(PROMPTS)) and len({id(c) for c in saved}) == 2
-    assert len({c.stats_path for c in saved}) == 2  # acceptance is kept per set of stores
+    assert len({c.stats_path for c in saved}) == 1  # acceptance is kept per model, store by store
+    kept = json.loads(saved[0].stats_path.read_text())["stores"]
+    assert store.label in kept and set(kept) <= {store.label, "request", "history", "model"}
 
 
 class _Figure:

@@ -110,7 +110,7 @@ def test_monotone_fit_averages_a_spike_instead_of_lifting_everything_after_it():
     np.testing.assert_array_equal(monotone_fit(np.array([1.0, 2.0, 3.0])), [1.0, 2.0, 3.0])
 
 
-def test_curve_is_measured_once_per_process_and_stats_are_kept_per_store_set(tiny_lm, tmp_path, monkeypatch):
+def test_curve_is_measured_once_per_process_and_stats_are_kept_per_store(tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
     cost._CURVES.clear()
     calls = []
@@ -124,23 +124,58 @@ def test_curve_is_measured_once_per_process_and_stats_are_kept_per_store_set(tin
     static_only[0].label = "static:/a"
     with_request = static_only + [OracleLookup("request", 0, 0, None)]
     with_request[1].label = "request"
+    other_static = [OracleLookup("static", 0, 0, None)]
+    other_static[0].label = "static:/b"
     a = CostModel.for_model(tiny_lm, static_only)
     b = CostModel.for_model(tiny_lm, with_request)
-    c = CostModel.for_model(tiny_lm, static_only)
     assert calls == [GRID]  # one measurement for the whole process, no probe, no overwrite
-    assert a.stats_path == c.stats_path != b.stats_path
     rows = np.array([[11, 12, 13]] * 4)
-    tree = build_draft_tree(1, [OracleLookup("request", 3, 4, rows)], budget=8)
-    b.observe(tree, [0, 1, 2, 3], forward_ms=60.0)
+    b.observe(build_draft_tree(1, [OracleLookup("request", 3, 4, rows)], budget=8), [0, 1, 2, 3], forward_ms=60.0)
+    b.observe(build_draft_tree(1, [OracleLookup("static", 3, 4, rows)], budget=8), [0], forward_ms=60.0)
     b.save_stats()
-    assert not a.stats_path.exists() and json.loads(b.stats_path.read_text())["sources"]["request"]
+    a.save_stats()  # a learned nothing: what b learned stays
+    saved = json.loads(b.stats_path.read_text())["stores"]
+    assert set(saved) == {"request", "static:/a"}
+    # a store brings what was learned about it into any set of stores; another store starts afresh
+    c = CostModel.for_model(tiny_lm, static_only)
+    assert set(c.counts) == {"static"} and c.counts["static"][0].sum() == 1  # only the first node was tested
+    assert CostModel.for_model(tiny_lm, other_static).counts == {}
+    assert calls == [GRID]
     cost._CURVES.clear()
+
+
+def test_a_node_counts_only_when_its_parent_was_accepted_and_chances_multiply_along_a_path():
+    rows = np.array([[11, 12, 13, 14]] * 8)
+    tree = build_draft_tree(1, [OracleLookup("request", 3, 8, rows)], budget=8)  # one chain, ratio 1 everywhere
+    model = CostModel(times_ms=curve(50.0, 1.0))
+    fresh = model.ranked(tree)[1]
+    assert np.allclose(fresh, cost.PRIOR_SCALE ** np.arange(1, 5)), "the prior: the ratio scaled down, multiplied"
+    for _ in range(50):  # the first two tokens always right, the third always wrong
+        model.observe(tree, [0, 1, 2], forward_ms=55.0)
+    c = model.counts["request"]
+    assert c[0].sum() == 150 and c[1].sum() == 100, "the fourth node was never put to the test"
+    order, chance = model.ranked(tree)
+    assert list(order) == [1, 2, 3, 4] and chance[0] > 0.9 and chance[1] > 0.85 and chance[2] < 0.1
+    assert chance[3] <= chance[2]
+    assert model.choose(tree) == 2
+
+
+def test_a_lone_match_is_trusted_less_than_many_agreeing_ones_once_learned():
+    model = CostModel(times_ms=curve(50.0, 2.0))
+    lone = build_draft_tree(1, [OracleLookup("static", 3, 1, np.array([[11, 12]]))], budget=8)
+    many = build_draft_tree(1, [OracleLookup("static", 3, 20, np.array([[21, 22]] * 20))], budget=8)
+    assert lone.support[1] == 1 and many.support[1] == 20
+    for _ in range(100):
+        model.observe(lone, [0], forward_ms=55.0)  # a single match: wrong
+        model.observe(many, [0, 1, 2], forward_ms=55.0)  # twenty agreeing matches: right
+    assert model.choose(lone) == 0 and model.choose(many) == 2
 
 
 def test_unreadable_acceptance_stats_are_ignored(tmp_path):
     path = tmp_path / "acc.json"
-    for text in ("{not json", '{"bins": "x", "sources": []}', json.dumps({"bins": cost.BINS.tolist(),
-                                                                          "sources": {"static": [[1, 2]]}})):
+    for text in ("{not json", '{"bins": "x", "stores": []}', json.dumps({
+            "version": cost.STATS_VERSION, "shape": list(cost.SHAPE), "bins": cost.BINS.tolist(),
+            "stores": {"static": [[1, 2]]}})):
         path.write_text(text)
         model = CostModel(times_ms=curve(50.0, 4.0), stats_path=path)
         model.load_stats()

@@ -68,6 +68,8 @@ def space(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "GRADIO_", "REST_LAB"))}
     env.update(REST_LAB_CACHE=private_cache(base / "cache"), HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
                REST_LAB_DEFAULT_STORE_TOKENS="200000",  # a Space rebuilds the built-in store after each restart
+               # the general-text store (minutes of generation) is tested in test_answers.py; not here
+               REST_LAB_ANSWERS="none",
                PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     return repo, bin_dir, env
 

@@ -59,6 +59,9 @@ from rest_core.app.session import (
     upload_summary,
 )
 from rest_core.app.settings import (
+    ANSWERS_ALWAYS,
+    ANSWERS_CHAT,
+    ANSWERS_NEVER,
     BUILT_IN,
     NO_STATIC,
     SETTING_NAMES,
@@ -71,7 +74,8 @@ from rest_core.app.settings import (
 )
 from rest_core.app.streaming import drain, stream_in_thread
 
-__all__ = ["BRANCH_HEADERS", "BUILT_IN", "CHOICE_HEADERS", "NO_STATIC", "RUN_TABLE_HEADERS", "SETTING_NAMES",
+__all__ = ["ANSWERS_ALWAYS", "ANSWERS_CHAT", "ANSWERS_NEVER",
+           "BRANCH_HEADERS", "BUILT_IN", "CHOICE_HEADERS", "NO_STATIC", "RUN_TABLE_HEADERS", "SETTING_NAMES",
            "UPLOADED", "Cancelled", "Engine", "ModelSlot", "Session", "Settings", "StoreSlot", "UploadError", "View",
            "best_step", "build_upload_store", "chat_turn", "check_run", "compact", "discard_session", "drain",
            "explain_step", "explore", "fit", "live_figures", "message_of", "metrics_html", "open_run",

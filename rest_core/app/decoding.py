@@ -66,14 +66,24 @@ def static_store_for(engine: Engine, slot: ModelSlot, session: Session, settings
     return None, ""
 
 
+def answers_store_for(engine: Engine, slot: ModelSlot, settings: Settings) -> Any:
+    """The general-text store when the settings (and the prompt format) ask for it and it is ready; else None
+    (while it is being built, the status line says so)."""
+    if not settings.use_answers:
+        return None
+    st = engine.start_answers(slot)
+    return st.store if st.state == "ready" else None
+
+
 def make_decoder(engine: Engine, slot: ModelSlot, session: Session, settings: Settings,
                  cfg: DecodeConfig) -> tuple[RestDecoder, str]:
     """The decoder over the stores the settings switch on (and a notice for the page)."""
     static, notice = static_store_for(engine, slot, session, settings)
+    answers = answers_store_for(engine, slot, settings)
     history = session.history_store(slot.lm.name, cfg) if settings.history_store else None
     model = session.recycle_store(slot.lm) if settings.model_drafts else None
-    stores = assemble_stores(static=static, request=settings.request_store, history=history, model=model,
-                             n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
+    stores = assemble_stores(static=static, answers=answers, request=settings.request_store, history=history,
+                             model=model, n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
     chooser = slot.chooser(stores) if cfg.draft_budget is None else None
     return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser), notice
 

@@ -9,6 +9,7 @@ opened on first use.
 from __future__ import annotations
 
 import gc
+import os
 import sqlite3
 import threading
 import time
@@ -18,16 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from datastores import Store, default_store_path, open_default_store, store_labels
+from datastores import Store, default_store_path, open_answers, open_default_store, store_labels
+from datastores.answer_prompts import answer_prompts
 from rest_core.app.policy import Policy, markdown_text
 from rest_core.app.settings import MAX_MODELS, log, message_of
 from rest_core.app.turns import Turns
 from rest_core.cost import CostModel
-from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model, load_tokenizer
+from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, generate_batch, load_model, load_tokenizer
 from rest_core.traces.recorder import TraceRecorder, default_db_path
 
 MAX_TOKENIZERS = 8  # tokenizers kept for replaying runs of models that are not loaded
 CostFactory = Callable[[LoadedModel, Sequence[Store]], Any]
+AnswersFactory = Callable[["ModelSlot", Callable[[], None], "StoreSlot"], Any]  # (slot, pause, its StoreSlot) -> store
 STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
 MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
 TRACE_BUSY_S = 5.0  # how long a write waits for a trace store another program holds
@@ -44,6 +47,8 @@ class StoreSlot:
     path: Optional[Path] = None  # where it is being built (for progress), when known
     finished: threading.Event = field(default_factory=threading.Event)
     failed_at: float = 0.0
+    done: int = 0  # general-text store: requests answered so far
+    total: int = 0
 
 
 @dataclass
@@ -54,6 +59,7 @@ class ModelSlot:
     cost_factory: CostFactory
     lock: threading.Lock = field(default_factory=threading.Lock)  # one decode at a time on this model
     static: StoreSlot = field(default_factory=StoreSlot)
+    answers: StoreSlot = field(default_factory=StoreSlot)  # the general-text store (the model's own answers)
     costs: dict[tuple[str, ...], Any] = field(default_factory=dict)  # store labels -> budget chooser
     _cost_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -89,6 +95,22 @@ def default_store_factory(tokenizer: Any) -> Any:
     return open_default_store(tokenizer, progress=True)
 
 
+def default_answers_factory(slot: ModelSlot, pause: Callable[[], None], st: StoreSlot) -> Any:
+    """The general-text store of this model: opened, or built (the model answers a few hundred requests;
+    the build steps aside, between two tokens, whenever a visitor's decode runs).  REST_LAB_ANSWERS=none
+    turns it off (the page then drafts chat answers from the other stores)."""
+    if os.environ.get("REST_LAB_ANSWERS", "").strip().lower() in ("none", "off", "0"):
+        return None
+    lm = slot.lm
+    st.total = len(answer_prompts())
+
+    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        out = generate_batch(lm, prompts, max_new_tokens, between_steps=pause)
+        st.done += len(prompts)
+        return out
+    return open_answers("default", lm.name, lm.tokenizer, generate=generate, progress=False)
+
+
 def _store_build_dir(tokenizer: Any) -> Optional[Path]:
     try:
         return default_store_path(tokenizer)
@@ -109,6 +131,17 @@ def _store_line(engine: Engine, st: StoreSlot) -> str:
     }[st.state]
 
 
+def _answers_line(st: StoreSlot) -> str:
+    return {
+        "idle": "",
+        "building": f"the general-text store is being built: the model answers {st.total or 'a few hundred'} "
+                    f"requests, once on this machine ({st.done} so far; it pauses while you decode)",
+        "ready": f"general-text store ready ({getattr(st.store, 'n_tokens', 0):,} tokens of the model's answers)",
+        "failed": f"⚠ general-text store unavailable ({markdown_text(st.error, 200)})",
+        "off": "",
+    }[st.state]
+
+
 class Engine:
     """Models and the built-in store, shared by all sessions of one server.
 
@@ -120,7 +153,7 @@ class Engine:
                  store_factory: Callable[[Any], Any] | None = None,
                  cost_factory: CostFactory | None = None,
                  recorder: TraceRecorder | None = None, trace_db: str | Path | None = None,
-                 policy: Policy | None = None):
+                 policy: Policy | None = None, answers_factory: AnswersFactory | None = None):
         self.policy = policy or Policy.from_env()
         self.turns = Turns(self.policy.max_waiting if self.policy.public else None, one_each=self.policy.public)
         self.trace_notice = ""  # what went wrong with the trace store, for the status line
@@ -128,6 +161,8 @@ class Engine:
         self.lm_factory = lm_factory or load_model
         self.store_factory = store_factory or default_store_factory
         self.watch_store_build = store_factory is None
+        # a server with its own store factory (tests) builds no general-text store unless given a factory
+        self.answers_factory = answers_factory or (default_answers_factory if store_factory is None else None)
         self.cost_factory = cost_factory or default_cost_factory
         self.trace_db = trace_db
         self._recorder = recorder
@@ -246,6 +281,38 @@ class Engine:
         finally:
             st.finished.set()
 
+    def start_answers(self, slot: ModelSlot) -> StoreSlot:
+        """Open (or build, once per model on this machine) the general-text store in the background, after the
+        built-in store is ready; the build pauses while any decode on this model runs."""
+        st = slot.answers
+        with self._state_lock:
+            if st.state == "failed" and time.time() - st.failed_at >= STORE_RETRY_S:
+                st.state, st.error, st.finished = "idle", "", threading.Event()
+            if st.state != "idle":
+                return st
+            if self.answers_factory is None:
+                st.state = "off"
+                st.finished.set()
+                return st
+            st.state, st.started, st.done = "building", time.time(), 0
+        threading.Thread(target=self._build_answers, args=(slot,), name="rest-answers-build", daemon=True).start()
+        return st
+
+    def _build_answers(self, slot: ModelSlot) -> None:
+        st = slot.answers
+        try:
+            slot.static.finished.wait()  # one build at a time on these cores
+
+            def pause() -> None:  # between two tokens: wait while a visitor's decode holds the model
+                while slot.lock.locked():
+                    time.sleep(0.05)
+            st.store = self.answers_factory(slot, pause, st)
+            st.state = "ready" if st.store is not None else "off"
+        except Exception as err:  # shown on the page
+            st.error, st.state, st.failed_at = message_of(err), "failed", time.time()
+        finally:
+            st.finished.set()
+
     def preload(self) -> Optional[threading.Thread]:
         """Load the default model, then open or build the built-in store, in the background (once)."""
         with self._state_lock:
@@ -258,7 +325,9 @@ class Engine:
 
     def _preload(self) -> None:
         try:
-            self.start_static(self.model(DEFAULT_MODEL))
+            slot = self.model(DEFAULT_MODEL)
+            self.start_static(slot)
+            self.start_answers(slot)
         except Exception as err:  # the status line shows it
             log.warning("preloading the default model failed: %s", message_of(err))
 
@@ -284,7 +353,8 @@ class Engine:
         for name, slot in list(self.models.items()):
             lm = slot.lm
             lines.append(f"✓ Model **{markdown_text(name)}** on {lm.device.type} ({str(lm.dtype).split('.')[-1]}); "
-                         f"{_store_line(self, slot.static)}.")
+                         f"{_store_line(self, slot.static)}" +
+                         (f"; {line}." if (line := _answers_line(slot.answers)) else "."))
         if self.trace_notice:
             lines.append(self.trace_notice)
         return "\n\n".join(lines) or "Starting: the model loads on first use."
@@ -312,4 +382,4 @@ class Engine:
     def ready(self) -> bool:
         """Nothing is loading or building (the page stops polling the status)."""
         return not self.loading and bool(self.models or self.load_errors) and \
-            all(s.static.state != "building" for s in self.models.values())
+            all(s.static.state != "building" and s.answers.state != "building" for s in self.models.values())

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 
 from datastores import DatastoreError, Lookup, assemble_stores
-from rest_core.app.decoding import static_store_for
+from rest_core.app.decoding import answers_store_for, static_store_for
 from rest_core.app.engine import Engine
 from rest_core.app.panels import panel
 from rest_core.app.replay import suffix_html
@@ -59,7 +59,9 @@ def explore(engine: Engine, session: Session, settings: Settings, context: str, 
                else None)
     model = session.recycle_store(slot.lm) if settings.model_drafts else None
     # the request store holds the context itself (its newest token has nothing after it)
-    stores = assemble_stores(static=static, request=settings.request_store and len(ids) > 1, history=history,
+    answers = answers_store_for(engine, slot, settings)
+    stores = assemble_stores(static=static, answers=answers, request=settings.request_store and len(ids) > 1,
+                             history=history,
                              model=model, n_max=rs.n_max, n_min=rs.n_min)
     if not stores:
         raise DatastoreError("No store is switched on: choose a datastore or turn on the request store.")

@@ -18,7 +18,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from rest_core.app.settings import BUILT_IN, MAX_UPLOAD_BYTES, NO_STATIC, UPLOADED, Settings, log
+from rest_core.app.settings import (
+    ANSWERS_ALWAYS,
+    ANSWERS_CHAT,
+    ANSWERS_NEVER,
+    BUILT_IN,
+    MAX_UPLOAD_BYTES,
+    NO_STATIC,
+    UPLOADED,
+    Settings,
+    log,
+)
 from rest_core.model import DEFAULT_MODEL, ModelLoadError
 
 LOOPBACK = ("", "127.0.0.1", "localhost", "::1")
@@ -29,7 +39,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "max_new_tokens": (1, 512), "temperature": (0.05, 2.0), "top_p": (0.05, 1.0), "budget": (0, 64),
     "n_max": (1, 32), "n_min": (1, 8), "continuation_len": (1, 32)}
 CHOICES: dict[str, tuple[str, ...]] = {
-    "mode": ("chat", "completion"), "static": (BUILT_IN, UPLOADED, NO_STATIC), "decoding": ("greedy", "sampling"),
+    "mode": ("chat", "completion"), "static": (BUILT_IN, UPLOADED, NO_STATIC),
+    "answers": (ANSWERS_CHAT, ANSWERS_ALWAYS, ANSWERS_NEVER), "decoding": ("greedy", "sampling"),
     "budget_mode": ("auto", "fixed")}
 FLAGS = ("request_store", "history_store", "model_drafts")
 WHOLE = ("max_new_tokens", "budget", "n_max", "n_min", "continuation_len")

@@ -24,6 +24,8 @@ STORE_WAIT_S = 3.0  # how long a decode waits for the built-in store before goin
 TEXT_INTERVAL_S = 0.08  # the streamed answer: at most about 12 updates per second
 MAX_MATCHES = 5000  # continuations taken per store and step
 BUILT_IN, UPLOADED, NO_STATIC = "built-in (Python sources)", "my uploaded files", "none"
+# when the general-text store (the model's own answers to varied requests) drafts
+ANSWERS_CHAT, ANSWERS_ALWAYS, ANSWERS_NEVER = "with chat prompts", "always", "never"
 USER_ERRORS = (ModelLoadError, PromptError, DatastoreError, ValueError, FileNotFoundError)
 
 
@@ -64,6 +66,7 @@ class Settings:
     model: str = DEFAULT_MODEL
     mode: str = "chat"  # chat | completion
     static: str = BUILT_IN
+    answers: str = ANSWERS_CHAT
     request_store: bool = True
     history_store: bool = False
     model_drafts: bool = True  # the model's own predictions (recycled tokens), learned per visitor
@@ -77,6 +80,11 @@ class Settings:
     n_max: int = 16
     n_min: int = 2
     continuation_len: int = 10
+
+    @property
+    def use_answers(self) -> bool:
+        """The prompt format decides: the general-text store drafts chat answers (or always, or never)."""
+        return self.answers == ANSWERS_ALWAYS or (self.answers == ANSWERS_CHAT and self.mode == "chat")
 
     @property
     def greedy(self) -> bool:
@@ -99,7 +107,7 @@ class Settings:
     def record(self, owner: str) -> dict:
         """What a recorded run keeps about how it was made (owner: the session that made it)."""
         return {**self.decode_config().settings(), "chat": self.mode == "chat", "static": self.static,
-                "request_store": self.request_store, "history_store": self.history_store,
+                "answers": self.use_answers, "request_store": self.request_store, "history_store": self.history_store,
                 "model_drafts": self.model_drafts, "app_session": owner}
 
 

@@ -107,6 +107,11 @@ def build_sidebar(page: Page, defaults: lab.Settings) -> None:
                                   "continued as it is.")
         s["static"] = gr.Radio([lab.BUILT_IN, lab.UPLOADED, lab.NO_STATIC], value=defaults.static, label="Datastore",
                                info="The static store drafts are retrieved from.")
+        s["answers"] = gr.Radio([lab.ANSWERS_CHAT, lab.ANSWERS_ALWAYS, lab.ANSWERS_NEVER], value=defaults.answers,
+                                label="General-text store: the model's own answers", elem_id="answers-store",
+                                info="Drafts from the model's answers to 514 varied requests (writing, role play, "
+                                     "maths, coding, ...), built once per model on this machine. Chat answers "
+                                     "read like them; code continued as is reads like the Python store.")
         s["request_store"] = gr.Checkbox(defaults.request_store,
                                          label="Request store: the prompt and the answer so far")
         s["history_store"] = gr.Checkbox(defaults.history_store, label="History store: your earlier answers")

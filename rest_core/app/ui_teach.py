@@ -24,7 +24,8 @@ WHAT_IF_NOTE = ("Run the step shown above again on the run's model, with another
                 "It waits for its turn like a chat answer.")
 SOURCE_CHOICES = [("static store", "static"), ("request store", "request"),
                   ("history store (replayed from the trace)", "history"),
-                  ("model's own predictions (replayed from the trace)", "model")]
+                  ("model's own predictions (replayed from the trace)", "model"),
+                  ("general-text store (replayed from the trace)", "answers")]
 
 
 def build_what_if(page: Page) -> None:

@@ -29,8 +29,8 @@ from rest_core.retrieve import RetrieveSettings
 from rest_core.sampling import Sampling, draw_uniform
 from rest_core.tree import DraftTree, keep_nodes
 
-SOURCES = ("static", "request", "history", "model")  # the draft sources a what-if can switch
-REPLAYED = ("history", "model")  # their state at a step is not kept: replayed from the trace
+SOURCES = ("static", "answers", "request", "history", "model")  # the draft sources a what-if can switch
+REPLAYED = ("answers", "history", "model")  # their state at a step is not kept: replayed from the trace
 AS_RECORDED, AUTO, FIXED = "as recorded", "auto", "fixed"
 AUTO_MAX_BUDGET = 63  # the largest tree the automatic budget starts from (rest_core.cost)
 

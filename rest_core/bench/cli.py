@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 from datastores import open_static_store
-from rest_core.bench.methods import DEFAULT_KERNELS, GREEDY_METHODS, SAMPLING_METHODS, TRACED
+from rest_core.bench.methods import ANSWERS_METHOD, DEFAULT_KERNELS, GREEDY_METHODS, SAMPLING_METHODS, TRACED
 from rest_core.bench.report import markdown
 from rest_core.bench.retrieval import retrieval_markdown, run_retrieval
 from rest_core.bench.runner import run_benchmark
 from rest_core.bench.suites import SUITES, chat_prompts, humaneval_prompts, load_suite
 from rest_core.bench.verify_pass import run_verify_pass
-from rest_core.cli_args import add_decode_arguments, decode_config
+from rest_core.cli_args import add_decode_arguments, answers_for, decode_config
 from rest_core.model import load_model, load_tokenizer
 
 __all__ = ["add_bench_parser", "run_bench"]
@@ -36,6 +36,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "or verify (the cost of one forward pass over q tokens, tuned vs default kernels)")
     g.add_argument("--retrieval", action="store_true", help="the store lookup micro-benchmark (= --suite retrieval)")
     g.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    g.add_argument("--prompts", nargs="+", default=None, metavar="ID",
+                   help="only the prompts with these ids (shell patterns work: 'explain-*'); before --limit")
     g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED,),
                    help="default: all (greedy) or plain rest_static rest_full rest_model (sampling)")
     g.add_argument("--repeats", type=int, default=1,
@@ -82,25 +84,27 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = decode_config(args)
     cfg.validate()
     lm = load_model(args.model, device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    prompts = load_suite(suite, lm.tokenizer, args.limit)
+    prompts = load_suite(suite, lm.tokenizer, args.limit, args.prompts)
     static = open_static_store(args.datastore, lm.tokenizer)
-    methods = kernel_variants(lm, args.methods, cfg) if args.kernels_ab else args.methods
+    answers = answers_for(args, lm, chat=suite == "chat")
+    methods = kernel_variants(lm, args.methods, cfg, answers is not None) if args.kernels_ab else args.methods
     results = run_benchmark(lm, prompts, cfg, methods, static, out, suite=suite, datastore=args.datastore,
                             command=_command_line(), prompt_lookup_tokens=args.prompt_lookup_tokens,
                             chi2_prompts=args.chi2_prompts, chi2_seeds=args.chi2_seeds, png=not args.no_png,
-                            progress=not args.no_progress, repeats=args.repeats)
+                            progress=not args.no_progress, repeats=args.repeats, answers_store=answers)
     print(markdown(results))
     print(f"results in {out}/ (results.json, results.md, chart.html"
           f"{', chart.png' if (out / 'chart.png').exists() else ''})")
     return 0
 
 
-def kernel_variants(lm, methods: list[str] | None, cfg) -> list[str]:
+def kernel_variants(lm, methods: list[str] | None, cfg, answers: bool = True) -> list[str]:
     """Every method twice: with the kernels chosen on this machine and with the default ones ('@default')."""
     if lm.kernels is None:
         raise ValueError("--kernels-ab needs the tuned linear kernels: they apply to a float32 model on the CPU, "
                          "and REST_LAB_KERNELS=default turns them off.")
-    names = list(methods or (GREEDY_METHODS if cfg.sampling.greedy else SAMPLING_METHODS))
+    names = list(methods or (m for m in (GREEDY_METHODS if cfg.sampling.greedy else SAMPLING_METHODS)
+                             if answers or m != ANSWERS_METHOD))
     return names + [m + DEFAULT_KERNELS for m in names]
 
 

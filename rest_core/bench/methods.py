@@ -8,9 +8,11 @@ Methods
   hf_greedy         transformers generate(do_sample=False): the reference output
   hf_prompt_lookup  transformers generate(prompt_lookup_num_tokens=10)
   rest_static       REST with the static store only (the paper's method)
-  rest_full         static + request + history + model stores; the history is in memory
+  rest_full         static + answers (when the run has it) + request + history + model stores; the history is in memory
                     and holds this run's earlier answers of rest_full (empty at first)
   rest_model        the model's own predictions only (recycled tokens, source "model")
+  rest_answers      the general-text store only (the model's own answers to varied requests,
+                    source "answers"); offered when the run has that store (chat, by default)
   rest_static_traced  (opt-in) rest_static with every step recorded to SQLite
   <method>@default  (with --kernels-ab) the method with transformers' default linear kernels instead of
                     the ones chosen on this machine (rest_core.kernels); its own stores and cost model
@@ -38,12 +40,13 @@ from rest_core.decode import DecodeConfig, DecodeResult, RestDecoder, check_prom
 from rest_core.model import LoadedModel
 from rest_core.traces.recorder import TraceRecorder
 
-GREEDY_METHODS = ("plain", "hf_greedy", "hf_prompt_lookup", "rest_static", "rest_full", "rest_model")
-SAMPLING_METHODS = ("plain", "rest_static", "rest_full", "rest_model")
+GREEDY_METHODS = ("plain", "hf_greedy", "hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "rest_answers")
+SAMPLING_METHODS = ("plain", "rest_static", "rest_full", "rest_model", "rest_answers")
+ANSWERS_METHOD = "rest_answers"  # needs the general-text store
 # opt-in: rest_static with every step recorded to SQLite, to measure the recorder's overhead
 TRACED = "rest_static_traced"
-SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model")
-REST_METHODS = ("rest_static", "rest_full", "rest_model", TRACED)
+SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "rest_answers")
+REST_METHODS = ("rest_static", "rest_full", "rest_model", "rest_answers", TRACED)
 MODEL_SOURCE_METHODS = ("rest_full", "rest_model")  # each gets its own table of the model's predictions
 DEFAULT_KERNELS = "@default"  # method suffix: run with transformers' default linear kernels
 
@@ -106,8 +109,11 @@ class MethodRunner:
     """Runs any method on a prompt and returns one raw record (numbers only measured here)."""
 
     def __init__(self, lm: LoadedModel, static_store: Store | None, cfg: DecodeConfig, methods: Sequence[str],
-                 prompt_lookup_tokens: int = 10):
+                 prompt_lookup_tokens: int = 10, answers_store: Store | None = None):
         self.lm, self.cfg, self.methods = lm, cfg, tuple(methods)
+        self.answers_store = answers_store
+        if answers_store is None and any(base_method(m) == ANSWERS_METHOD for m in self.methods):
+            raise ValueError("rest_answers needs the general-text store: pass --answers default (or a store folder).")
         self.eos = lm.eos_token_ids
         self.prompt_lookup_tokens = prompt_lookup_tokens
         self.cost_model = CostModel.for_model(lm)  # the calibrated curve, for the relative verify cost
@@ -140,10 +146,12 @@ class MethodRunner:
                              if base_method(m) in MODEL_SOURCE_METHODS}
 
     def _stores(self, method: str) -> list[Store]:
-        """rest_static (and its traced twin): static only; rest_full: static, request, history and model;
-        rest_model: model only."""
-        full = base_method(method) == "rest_full"
-        return assemble_stores(static=None if base_method(method) == "rest_model" else self.static_store,
+        """rest_static (and its traced twin): static only; rest_full: static, answers, request, history and
+        model; rest_model: model only; rest_answers: answers only."""
+        base = base_method(method)
+        full = base == "rest_full"
+        return assemble_stores(static=None if base in ("rest_model", ANSWERS_METHOD) else self.static_store,
+                               answers=self.answers_store if base in ("rest_full", ANSWERS_METHOD) else None,
                                request=full, history=self.histories.get(method), model=self.model_drafts.get(method),
                                n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
 

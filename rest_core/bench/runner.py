@@ -25,7 +25,15 @@ import transformers
 from tqdm.auto import tqdm
 
 from datastores import Store
-from rest_core.bench.methods import DEFAULT_KERNELS, GREEDY_METHODS, SAMPLING_METHODS, TRACED, MethodRunner, base_method
+from rest_core.bench.methods import (
+    ANSWERS_METHOD,
+    DEFAULT_KERNELS,
+    GREEDY_METHODS,
+    SAMPLING_METHODS,
+    TRACED,
+    MethodRunner,
+    base_method,
+)
 from rest_core.bench.report import loadavg, machine_info, write_outputs
 from rest_core.bench.stats import checks, first_token_check, recording_overhead, summarize
 from rest_core.bench.suites import BenchPrompt
@@ -40,10 +48,11 @@ def rotated(methods: Sequence[str], i: int) -> list[str]:
     return list(methods[k:]) + list(methods[:k])
 
 
-def _methods(cfg: DecodeConfig, methods: Sequence[str] | None) -> tuple[str, ...]:
+def _methods(cfg: DecodeConfig, methods: Sequence[str] | None, answers: bool = True) -> tuple[str, ...]:
+    """The methods asked for (default: every one of the mode; rest_answers only where the run has its store)."""
     greedy = cfg.sampling.greedy
     allowed = GREEDY_METHODS if greedy else SAMPLING_METHODS
-    methods = tuple(methods or allowed)
+    methods = tuple(methods or (m for m in allowed if answers or m != ANSWERS_METHOD))
     bad = [m for m in methods if base_method(m) not in allowed + (TRACED,) or m.count("@") > 1
            or ("@" in m and not m.endswith(DEFAULT_KERNELS))]
     if bad:
@@ -57,24 +66,24 @@ def run_benchmark(lm: LoadedModel, prompts: Sequence[BenchPrompt], cfg: DecodeCo
                   out_dir: str | Path | None = None, *,
                   suite: str = "custom", datastore: str = "", command: str = "", prompt_lookup_tokens: int = 10,
                   chi2_prompts: int = 1, chi2_seeds: int = 200, png: bool = True, progress: bool = True,
-                  repeats: int = 1) -> dict:
+                  repeats: int = 1, answers_store: Store | None = None) -> dict:
     """Run every method on every prompt (`repeats` rounds); write results.json/.md and the charts to out_dir;
     return the results."""
     cfg.validate()
     greedy = cfg.sampling.greedy
-    methods = _methods(cfg, methods)
+    methods = _methods(cfg, methods, answers=answers_store is not None)
     if not prompts:
         raise ValueError("The suite has no prompts.")
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}.")
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0
     results = {"settings": _settings(cfg, suite, methods, datastore, static_store, len(prompts), prompt_lookup_tokens,
-                                     base_seed, repeats),
+                                     base_seed, repeats, answers_store),
                "machine": machine_info(lm), "command": command, "warmup": [], "prompts": [], "records": [],
                "started_at": _dt.datetime.now().isoformat(timespec="seconds")}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # generate() warns about sampling flags unused in greedy mode
-    runner = MethodRunner(lm, static_store, cfg, methods, prompt_lookup_tokens)
+    runner = MethodRunner(lm, static_store, cfg, methods, prompt_lookup_tokens, answers_store=answers_store)
     results["settings"]["cost_model"] = {"grid": list(runner.cost_model.grid),
                                          "times_ms": [round(float(t), 4) for t in runner.cost_model.times_ms]}
     interrupted = False
@@ -161,7 +170,8 @@ def _compare(lm: LoadedModel, prompt: BenchPrompt, by_method: dict, greedy: bool
 
 
 def _settings(cfg: DecodeConfig, suite: str, methods: Sequence[str], datastore: str, static_store: Store | None,
-              n_prompts: int, prompt_lookup_tokens: int, base_seed: int, repeats: int = 1) -> dict:
+              n_prompts: int, prompt_lookup_tokens: int, base_seed: int, repeats: int = 1,
+              answers_store: Store | None = None) -> dict:
     s = cfg.sampling
     return {"suite": suite, "prompts": n_prompts, "methods": list(methods),
             "mode": "greedy" if s.greedy else "sampling", "max_new_tokens": cfg.max_new_tokens,
@@ -172,6 +182,9 @@ def _settings(cfg: DecodeConfig, suite: str, methods: Sequence[str], datastore: 
             "prompt_lookup_num_tokens": prompt_lookup_tokens, "datastore": datastore,
             "static_store": None if static_store is None else {"path": str(getattr(static_store, "path", "")),
                                                                 "n_tokens": int(getattr(static_store, "n_tokens", 0))},
+            "answers_store": None if answers_store is None else {
+                "path": str(getattr(answers_store, "path", "")), "n_tokens": int(getattr(answers_store, "n_tokens", 0)),
+                "documents": int(getattr(answers_store, "n_docs", 0))},
             "repeats": repeats,
             "rounds": ("round r runs every prompt with every method, the order rotating per prompt; tokens/s, "
                        "ms/token and speedup are medians over rounds of each round's suite figure (speedup: over "

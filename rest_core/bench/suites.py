@@ -10,6 +10,8 @@ data to reformat), where drafting from the request store should pay off.
 """
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,14 +190,22 @@ def humaneval_prompts() -> list[tuple[str, str, bool]]:
     return [(task_id, problems[task_id]["prompt"], False) for task_id in problems]
 
 
-def load_suite(name: str, tokenizer: Any, limit: int | None = None) -> list[BenchPrompt]:
-    """The suite's prompts, encoded for this tokenizer (first `limit` only when given)."""
+def load_suite(name: str, tokenizer: Any, limit: int | None = None,
+               pick: Sequence[str] | None = None) -> list[BenchPrompt]:
+    """The suite's prompts, encoded for this tokenizer: those whose id matches one of `pick` (ids or shell
+    patterns such as 'explain-*') when given, then the first `limit` when given."""
     if name == "humaneval":
         raw, chat = humaneval_prompts(), False
     elif name == "chat":
         raw, chat = chat_prompts(), True
     else:
         raise ValueError(f"Unknown suite {name!r}: choose one of {', '.join(SUITES)} (or retrieval).")
+    if pick:
+        chosen = [p for p in raw if any(fnmatch.fnmatchcase(p[0], pattern) for pattern in pick)]
+        if not chosen:
+            raise ValueError(f"--prompts {' '.join(pick)} matches no prompt of the {name} suite; ids look like "
+                             f"{raw[0][0]!r} (shell patterns such as '{raw[0][0].split('-')[0]}-*' work too).")
+        raw = chosen
     if limit is not None:
         if limit < 1:
             raise ValueError(f"--limit must be at least 1, got {limit}.")

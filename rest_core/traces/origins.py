@@ -13,12 +13,14 @@ from rest_core.traces.rows import StepRow
 
 ORIGIN_STYLES = {  # the known origins: background tint (dark text stays legible), description
     "static": (tint(source_color("static"), 0.25), "accepted draft, static store"),
+    "answers": (tint(source_color("answers"), 0.35), "accepted draft, general-text store (the model's answers)"),
     "request": (tint(source_color("request"), 0.35), "accepted draft, this request (prompt + output)"),
     "history": (tint(source_color("history"), 0.30), "accepted draft, history of past outputs"),
     "model": (tint(source_color("model"), 0.50), "accepted draft, model's own prediction (recycled)"),
     "bonus": (tint(BONUS, 0.30), "from the model (bonus token)"),
 }
-SOURCE_WORDS = {"model": "the model's own earlier predictions (recycled)"}  # how a sentence names a source
+SOURCE_WORDS = {"model": "the model's own earlier predictions (recycled)",  # how a sentence names a source
+                "answers": "the general-text store (the model's own answers to other requests)"}
 STEP_EDGE = "border-left:1px solid rgba(0,0,0,0.35);"  # marks the first token of each step
 
 

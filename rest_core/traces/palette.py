@@ -13,9 +13,10 @@ from rest_core.phases import PHASES
 
 BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
     "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#7F7F7F")
-SOURCE_COLOURS = {"static": BLUE, "request": ORANGE, "history": GREEN, "model": YELLOW, "": GREY}  # "" = root
-# Any other source: sky (the Okabe-Ito colour left), then Paul Tol's colour-blind-safe "muted" set.
-FALLBACK_COLOURS = (SKY, "#332288", "#44AA99", "#882255", "#999933", "#CC6677", "#AA4499")
+SOURCE_COLOURS = {"static": BLUE, "answers": SKY, "request": ORANGE, "history": GREEN, "model": YELLOW,
+                  "": GREY}  # "" = root
+# Any other source: Paul Tol's colour-blind-safe "muted" set.
+FALLBACK_COLOURS = ("#332288", "#44AA99", "#882255", "#999933", "#CC6677", "#AA4499")
 PHASE_COLOURS = dict(zip(PHASES, (BLUE, ORANGE, SKY, GREEN, PURPLE)))
 ACCEPTED = VERMILLION  # the accepted path
 BONUS = PURPLE  # the token the model adds itself at the end of each step (not a draft source)
@@ -45,11 +46,11 @@ def tint(colour: str, alpha: float) -> str:
 
 # A second cue beside colour, for readers who cannot tell the colours apart (and for print):
 # a marker shape per source in the draft tree, a fill pattern per source in bar charts.
-SOURCE_MARKERS = {"": "circle", "static": "circle", "request": "square", "history": "diamond",
+SOURCE_MARKERS = {"": "circle", "static": "circle", "answers": "pentagon", "request": "square", "history": "diamond",
                   "model": "triangle-up"}
-FALLBACK_MARKERS = ("pentagon", "hexagon", "cross", "x", "triangle-down", "hourglass")
-SOURCE_PATTERNS = {"": "", "static": "", "request": "/", "history": "x", "model": "."}
-FALLBACK_PATTERNS = ("\\", "-", "|", "+")
+FALLBACK_MARKERS = ("hexagon", "cross", "x", "triangle-down", "hourglass")
+SOURCE_PATTERNS = {"": "", "static": "", "answers": "-", "request": "/", "history": "x", "model": "."}
+FALLBACK_PATTERNS = ("\\", "|", "+")
 
 
 def source_marker(source: str) -> str:

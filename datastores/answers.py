@@ -1,0 +1,146 @@
+"""The general-text store: the model's own answers to a varied set of chat requests.
+
+Chat answers are drafted best from text that reads like this model's chat answers, and
+none reads more like them than its own answers to other requests.  This store is built
+once per model on a machine: every request of `answer_prompts()` goes through the chat
+template, the model answers it greedily (in batches, so a few hundred answers take
+minutes on a CPU), and each answer -- with the template's assistant header before it and
+the end-of-turn token after it, exactly as the ids appear in a chat -- becomes one
+document of a token store whose drafts carry the source name "answers".
+
+The answers are written beside the store as JSONL (request, answer) so a person can read
+what the store holds, and a rebuild of the index reuses them.  Generation needs the
+model, which lives above this package: the caller passes `generate`, a function from a
+batch of prompt id lists to the answer id lists (see rest_core.model.generate_batch).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from datastores.answer_prompts import answer_prompts
+from datastores.build import build_from_token_documents
+from datastores.common import DatastoreError, cache_dir, write_atomic
+from datastores.fingerprint import tokenizer_fingerprint
+from datastores.static import TokenDatastore
+
+SOURCE = "answers"
+ANSWERS_FILE = "answers.jsonl"
+BATCH = 32  # requests answered together (more rows per pass: far more tokens per second on a CPU)
+MAX_ANSWER_TOKENS = 256
+
+Generate = Callable[[list[list[int]], int], list[list[int]]]  # (prompt id lists, max new tokens) -> answer ids
+
+
+def answers_store_path(model_name: str, tokenizer: Any) -> Path:
+    """Per model (the answers are the model's) and tokenizer (the ids are the tokenizer's)."""
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model_name)
+    return cache_dir() / "stores" / f"answers-{safe}-{tokenizer_fingerprint(tokenizer)[:12]}"
+
+
+def _chat_ids(tokenizer: Any, text: str, generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=generation_prompt,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def assistant_header(tokenizer: Any) -> list[int]:
+    """The ids the chat template puts between a user turn and the answer (e.g. '<|im_start|>assistant\\n')."""
+    with_prompt = _chat_ids(tokenizer, "x", True)
+    without = _chat_ids(tokenizer, "x", False)
+    if with_prompt[:len(without)] != without:
+        return []
+    return with_prompt[len(without):]
+
+
+def end_of_turn(tokenizer: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [int(eos)] if isinstance(eos, int) else []
+
+
+def generate_answers(tokenizer: Any, generate: Generate, prompts: Sequence[str], batch: int = BATCH,
+                     max_new_tokens: int = MAX_ANSWER_TOKENS, progress: bool = True) -> list[dict]:
+    """Every request answered: [{"prompt", "answer", "ids"}] in the order of prompts.
+
+    Requests are batched by length (little padding); each answer's ids stop at the first
+    end-of-sequence token (kept)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DatastoreError("the general-text store is built from chat answers, and this model has no chat "
+                             "template; use the Python store (or your own) with this model")
+    encoded = [_chat_ids(tokenizer, p, True) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    answers: list[Optional[list[int]]] = [None] * len(prompts)
+    bar = _progress(len(prompts), progress)
+    t0 = time.perf_counter()
+    for start in range(0, len(order), batch):
+        chunk = order[start:start + batch]
+        outs = generate([encoded[i] for i in chunk], max_new_tokens)
+        for i, ids in zip(chunk, outs):
+            answers[i] = list(ids)
+        bar(len(chunk))
+    bar(0, done=True, seconds=time.perf_counter() - t0)
+    return [{"prompt": p, "answer": tokenizer.decode(a, skip_special_tokens=True), "ids": a}
+            for p, a in zip(prompts, answers)]
+
+
+def _progress(total: int, show: bool):
+    state = {"n": 0}
+
+    def step(k: int, done: bool = False, seconds: float = 0.0) -> None:
+        state["n"] += k
+        if show and not done:
+            print(f"\r  answered {state['n']}/{total} requests", end="", flush=True)
+        if show and done:
+            print(f"\r  answered {state['n']}/{total} requests in {seconds:.0f} s", flush=True)
+    return step
+
+
+def build_answers_store(path: str | Path, tokenizer: Any, generate: Generate, prompts: Optional[Sequence[str]] = None,
+                        batch: int = BATCH, max_new_tokens: int = MAX_ANSWER_TOKENS,
+                        progress: bool = True) -> TokenDatastore:
+    """Answer the requests (or reuse the answers kept at path) and index them as a store at path."""
+    path = Path(path)
+    prompts = list(answer_prompts() if prompts is None else prompts)
+    if not prompts:
+        raise DatastoreError("no requests to answer: pass at least one prompt")
+    records = read_answers(path / ANSWERS_FILE, prompts)
+    if records is None:
+        if progress:
+            print(f"Building the general-text store at {path}: the model answers {len(prompts)} requests "
+                  f"(once; up to {max_new_tokens} tokens each)...", flush=True)
+        records = generate_answers(tokenizer, generate, prompts, batch, max_new_tokens, progress)
+    header, eot = assistant_header(tokenizer), end_of_turn(tokenizer)
+    docs = []
+    for rec in records:
+        ids = list(rec["ids"])
+        if eot and (not ids or ids[-1] != eot[0]):
+            ids = ids + eot  # an answer cut at max_new_tokens still ends its turn in the store
+        docs.append(header + ids)
+    build_from_token_documents(path, docs, tokenizer, overwrite=True)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    write_atomic(path / ANSWERS_FILE, text)
+    return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name, source=SOURCE)
+
+
+def read_answers(path: Path, prompts: Sequence[str]) -> Optional[list[dict]]:
+    """The kept answers when they answer exactly these requests; None otherwise (unreadable, other requests)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    ok = len(records) == len(prompts) and all(
+        isinstance(r, dict) and r.get("prompt") == p and isinstance(r.get("ids"), list)
+        and all(isinstance(t, int) and t >= 0 for t in r["ids"]) for r, p in zip(records, prompts))
+    return records if ok else None
+
+
+def open_answers_store(path: str | Path, tokenizer: Any) -> TokenDatastore:
+    """Open a built general-text store (DatastoreError when there is none or it is broken)."""
+    path = Path(path)
+    return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name, source=SOURCE)
