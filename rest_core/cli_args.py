@@ -35,7 +35,9 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-max", type=int, default=16, help="longest context suffix looked up (default 16)")
     g.add_argument("--n-min", type=int, default=2, help="shortest suffix that counts as a match (default 2)")
     g.add_argument("--max-matches", type=int, default=5000, help="continuations taken per store (default 5000)")
-    g.add_argument("--continuation-len", type=int, default=10, help="tokens per continuation (default 10)")
+    g.add_argument("--continuation-len", type=int, default=24,
+                   help="tokens per continuation, the deepest a draft branch goes (default 24; the cost model keeps a "
+                        "branch only as deep as its chance of acceptance pays)")
     g.add_argument("--budget", default="auto",
                    help="draft tokens per step, or 'auto' to follow the measured cost model (default)")
     g = p.add_argument_group("sampling")

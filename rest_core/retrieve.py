@@ -17,7 +17,7 @@ class RetrieveSettings:
     n_max: int = 16  # longest suffix tried
     n_min: int = 2  # shortest suffix accepted as a match
     max_matches: int = 5000  # continuations taken per store
-    continuation_len: int = 10  # tokens per continuation (deepest draft)
+    continuation_len: int = 24  # tokens per continuation (deepest draft; the cost model cuts doubtful depth)
 
     def validate(self) -> None:
         if not 1 <= self.n_min <= self.n_max:

@@ -578,7 +578,7 @@ def test_the_general_text_store_drafts_when_the_prompt_format_asks(tiny, tiny_st
     engine = answers_engine(tiny, tiny_store, tmp_path / "t.sqlite", lambda slot, pause, st: answers)
     assert engine.start_answers(engine.model(TINY.model)).finished.wait(30)
     assert "general-text store ready" in engine.status()
-    only = replace(TINY, static=sup.NO_STATIC, request_store=False, model_drafts=False)
+    only = replace(TINY, static=sup.NO_STATIC, request_store=False, model_drafts=False, history_store=False)
     # completion (code continued as is) leaves it out by default; "always" drafts from it in any format
     plain_run = run_turn(engine, session, only, PROMPT)[-1]
     assert not any(label.startswith("answers") for label in engine.recorder.get_run(plain_run.run_id)["stores"])

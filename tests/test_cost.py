@@ -218,3 +218,18 @@ def test_the_curve_is_measured_in_interleaved_rounds_keeping_each_sizes_fastest_
     times = cost.measure_forward_curve(tiny_lm, prefix_len=8, repeats=2, grid=(1, 2, 4))
     assert seen == [8] + [1, 2, 4] * 3  # the prefix, then a warm-up round and two timed rounds over every size
     assert times.shape == (3,) and np.all(np.diff(times) >= 0) and times[0] > 0
+
+
+def test_draft_depth_follows_how_often_a_pattern_was_continued_that_way():
+    """A branch many continuations agree on, and that the model keeps following, is drafted deep (past the old
+    10-token cut); a branch one match offers, that the model seldom follows, is cut short."""
+    model = CostModel(times_ms=curve(50.0, 0.5))
+    deep = np.arange(100, 120)
+    agreed = build_draft_tree(1, [OracleLookup("request", 6, 12, np.array([deep] * 12))], budget=63)
+    lone = build_draft_tree(1, [OracleLookup("request", 2, 1, np.array([deep + 100]))], budget=63)
+    assert agreed.draft_size == lone.draft_size == 20
+    for _ in range(60):
+        model.observe(agreed, list(range(21)), forward_ms=52.0)  # the whole branch accepted
+        model.observe(lone, [0, 1], forward_ms=52.0)  # the first token only
+    assert model.choose(agreed) >= 16
+    assert model.choose(lone) <= 2

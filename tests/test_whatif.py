@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("module_cache")
 PROMPT_IDS = [5, 6, 7, 8, 9]
 PROMPT = " ".join(f"t{t}" for t in PROMPT_IDS)
 RUN = sup.Settings(model="tiny", mode="completion", static=sup.BUILT_IN, max_new_tokens=24, budget_mode="fixed",
-                   budget=8, model_drafts=False)
+                   budget=8, model_drafts=False, history_store=False, continuation_len=10)
 NODE_FIELDS = ("node", "parent", "depth", "token_id", "source", "score", "model_choice", "accepted")
 
 

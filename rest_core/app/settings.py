@@ -68,7 +68,7 @@ class Settings:
     static: str = BUILT_IN
     answers: str = ANSWERS_CHAT
     request_store: bool = True
-    history_store: bool = False
+    history_store: bool = True  # the visitor's own earlier answers (never another visitor's)
     model_drafts: bool = True  # the model's own predictions (recycled tokens), learned per visitor
     max_new_tokens: int = 96
     decoding: str = "greedy"  # greedy | sampling
@@ -79,7 +79,7 @@ class Settings:
     budget: int = 16
     n_max: int = 16
     n_min: int = 2
-    continuation_len: int = 10
+    continuation_len: int = 24
 
     @property
     def use_answers(self) -> bool:

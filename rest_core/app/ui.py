@@ -114,7 +114,8 @@ def build_sidebar(page: Page, defaults: lab.Settings) -> None:
                                      "read like them; code continued as is reads like the Python store.")
         s["request_store"] = gr.Checkbox(defaults.request_store,
                                          label="Request store: the prompt and the answer so far")
-        s["history_store"] = gr.Checkbox(defaults.history_store, label="History store: your earlier answers")
+        s["history_store"] = gr.Checkbox(defaults.history_store, label="History store: your earlier answers",
+                                         info="Yours only: another visitor's text is never drafted for you.")
         s["model_drafts"] = gr.Checkbox(defaults.model_drafts, label="Model's own predictions (recycled tokens)",
                                         elem_id="model-drafts",
                                         info="What the model predicted after a token earlier is drafted again. "
