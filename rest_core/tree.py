@@ -86,52 +86,50 @@ def _stack_rows(lookups, base_weights: dict[str, float]):
     return rows, np.concatenate(src_ids), unit, names
 
 
+def _row_order(rows: np.ndarray) -> np.ndarray:
+    """The stable lexicographic order of the rows (ids >= -1), as np.lexsort(rows.T[::-1]) gives it: each
+    row as one big-endian byte string, so one comparison sort does it (several times faster than a
+    lexsort over 24 columns)."""
+    keys = np.ascontiguousarray((rows + 1).astype(">u8"))  # (k, L): byte order = numeric order
+    return np.argsort(keys.view(np.dtype((np.void, 8 * keys.shape[1]))).ravel(), kind="stable")
+
+
 def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> tuple[dict, float]:
     """Every distinct prefix of the rows as a candidate node: depth, last token, score, first
-    sorted row, parent candidate and dominant source, as flat arrays; plus the total weight."""
-    order = np.lexsort(rows.T[::-1])  # (k,) sort by column 0, then 1, ...
+    sorted row, parent candidate, dominant source, its share and support, as flat arrays ordered
+    by depth, then sorted-row order; plus the total weight.  All depths at once: a prefix is a run
+    of sorted rows that agree up to its depth."""
+    order = _row_order(rows)  # (k,) sort by column 0, then 1, ...
     rows, src = rows[order], src[order]
     k, width = rows.shape
     differs = np.ones_like(rows, dtype=bool)  # (k, L)
     differs[1:] = rows[1:] != rows[:-1]
     new_group = np.logical_or.accumulate(differs, axis=1)  # row i opens a new prefix at depth d
+    real = np.logical_and.accumulate(rows >= 0, axis=1)  # (k, L) the prefix holds real tokens only
     # per-source row counts as exact integers, so equal counts give bit-equal scores (clean ties)
     cum_src = np.zeros((unit.size, k + 1), dtype=np.int64)  # (S, k+1)
     for s_id in range(unit.size):
         cum_src[s_id, 1:] = np.cumsum(src == s_id)
     total = float(cum_src[:, -1] @ unit)
-
     source_total = cum_src[:, -1] * unit  # (S,) each source's whole weight
-    cand = {key: [] for key in ("depth", "token", "score", "start", "parent", "source", "share", "support")}
-    prev_starts, prev_ids = None, None
-    next_id = 0
-    for d in range(width):
-        starts = np.flatnonzero(new_group[:, d])
-        ends = np.append(starts[1:], k)
-        tokens = rows[starts, d]
-        rows_src = cum_src[:, ends] - cum_src[:, starts]  # (S, groups) rows per source
-        by_src = rows_src * unit[:, None]  # (S, groups) weight per source
-        if d == 0:
-            parent = np.full(starts.shape[0], -1)
-        else:  # the depth-(d-1) group that contains each depth-d group
-            parent = prev_ids[np.searchsorted(prev_starts, starts, side="right") - 1]
-        valid = tokens >= 0
-        if d > 0:
-            valid &= parent >= 0  # parent must itself be a real token
-        ids = np.full(starts.shape[0], -1)
-        ids[valid] = np.arange(next_id, next_id + int(valid.sum()))
-        next_id += int(valid.sum())
-        dominant = by_src[:, valid].argmax(axis=0)
-        share = by_src[dominant, np.flatnonzero(valid)] / source_total[dominant]
-        for key, value in (("depth", np.full(int(valid.sum()), d + 1)), ("token", tokens[valid]),
-                           ("score", by_src.sum(axis=0)[valid]), ("start", starts[valid]),
-                           ("parent", parent[valid]), ("source", dominant), ("share", share),
-                           ("support", rows_src[dominant, np.flatnonzero(valid)].astype(float))):
-            cand[key].append(value)
-        prev_starts, prev_ids = starts, ids
-        if not valid.any():
-            break
-    return {key: np.concatenate(parts) for key, parts in cand.items()}, total
+
+    depth, start = np.nonzero(new_group.T)  # every prefix: (depth - 1, first row), by depth then row
+    same_depth = np.append(depth[1:] == depth[:-1], False)
+    end = np.where(same_depth, np.append(start[1:], k), k)  # one past its last row
+    keep = real[start, depth]
+    depth, start, end = depth[keep], start[keep], end[keep]
+    n = depth.size
+    rows_src = cum_src[:, end] - cum_src[:, start]  # (S, n) rows per source
+    by_src = rows_src * unit[:, None]  # (S, n) weight per source
+    dominant = by_src.argmax(axis=0) if n else np.zeros(0, dtype=np.int64)
+    idx = np.arange(n)
+    key = depth * k + start  # ascending
+    parent = np.searchsorted(key, (depth - 1) * k + start, side="right") - 1  # the prefix one shorter
+    parent = np.where(depth > 0, parent, -1)
+    return {"depth": depth + 1, "token": rows[start, depth], "score": by_src.sum(axis=0), "start": start,
+            "parent": parent, "source": dominant,
+            "share": by_src[dominant, idx] / np.maximum(source_total[dominant], 1e-300),
+            "support": rows_src[dominant, idx].astype(float)}, total
 
 
 def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,

@@ -143,3 +143,15 @@ def test_pruning_a_tree_equals_building_it_with_the_smaller_budget(lookups, big,
     assert pruned.tokens.tolist() == direct.tokens.tolist()
     assert pruned.parents.tolist() == direct.parents.tolist()
     assert pruned.children == direct.children
+
+
+def test_rows_sort_as_lexsort_sorts_them():
+    from rest_core.tree import _row_order
+
+    rng = np.random.default_rng(3)
+    for width in (1, 3, 24):
+        rows = rng.integers(-1, 4, size=(500, width))
+        rows[::7] = rows[1]  # ties keep their order
+        np.testing.assert_array_equal(_row_order(rows), np.lexsort(rows.T[::-1]))
+    big = np.array([[70_000, 5], [-1, 9], [65_536, 2], [255, 256]])
+    np.testing.assert_array_equal(_row_order(big), np.lexsort(big.T[::-1]))

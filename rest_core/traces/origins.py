@@ -13,7 +13,7 @@ from rest_core.traces.rows import StepRow
 
 ORIGIN_STYLES = {  # the known origins: background tint (dark text stays legible), description
     "static": (tint(source_color("static"), 0.25), "accepted draft, static store"),
-    "answers": (tint(source_color("answers"), 0.35), "accepted draft, general-text store (the model's answers)"),
+    "answers": (tint(source_color("answers"), 0.22), "accepted draft, general-text store (the model's answers)"),
     "request": (tint(source_color("request"), 0.35), "accepted draft, this request (prompt + output)"),
     "history": (tint(source_color("history"), 0.30), "accepted draft, history of past outputs"),
     "model": (tint(source_color("model"), 0.50), "accepted draft, model's own prediction (recycled)"),

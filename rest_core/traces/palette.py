@@ -13,10 +13,11 @@ from rest_core.phases import PHASES
 
 BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
     "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#7F7F7F")
-SOURCE_COLOURS = {"static": BLUE, "answers": SKY, "request": ORANGE, "history": GREEN, "model": YELLOW,
+INDIGO = "#332288"  # from Paul Tol's colour-blind-safe "muted" set: apart from the static store's blue in a tint
+SOURCE_COLOURS = {"static": BLUE, "answers": INDIGO, "request": ORANGE, "history": GREEN, "model": YELLOW,
                   "": GREY}  # "" = root
-# Any other source: Paul Tol's colour-blind-safe "muted" set.
-FALLBACK_COLOURS = ("#332288", "#44AA99", "#882255", "#999933", "#CC6677", "#AA4499")
+# Any other source: sky (the Okabe-Ito colour left), then Paul Tol's colour-blind-safe "muted" set.
+FALLBACK_COLOURS = (SKY, "#44AA99", "#882255", "#999933", "#CC6677", "#AA4499")
 PHASE_COLOURS = dict(zip(PHASES, (BLUE, ORANGE, SKY, GREEN, PURPLE)))
 ACCEPTED = VERMILLION  # the accepted path
 BONUS = PURPLE  # the token the model adds itself at the end of each step (not a draft source)
