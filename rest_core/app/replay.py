@@ -19,6 +19,7 @@ from rest_core.app.settings import assets_dir, log
 from rest_core.phases import PHASES
 from rest_core.traces import figures, probs
 from rest_core.traces.exported import ExportedRun, ExportError
+from rest_core.traces.origins import source_words
 from rest_core.traces.recorder import TokenTexts, TraceRecorder
 from rest_core.traces.runs import RUN_COLUMNS
 
@@ -177,9 +178,10 @@ def _found_by(source: str, matched: int, offered: int, distinct: int) -> str:
         return ("the model had made no prediction after the last token yet, so it had nothing to recycle"
                 if not matched else f"the model's own earlier predictions after the last token (recycled) "
                                     f"offered {distinct} path{'s' if distinct != 1 else ''}")
+    name = source_words(source)
     if not matched:
-        return f"the {source} store found no match"
-    return (f"the {source} store matched the last {matched} tokens and offered {offered} continuation"
+        return f"{name} found no match"
+    return (f"{name} matched the last {matched} tokens and offered {offered} continuation"
             f"{'s' if offered != 1 else ''} ({distinct} distinct)")
 
 
@@ -197,7 +199,7 @@ def _lookup_sentence(step: dict) -> str:
 def _drafted_by(sources: list) -> str:
     """Who drafted the accepted tokens, in words ("the static store", "the model's own earlier prediction ...")."""
     names = sorted(set(sources))
-    words = [MODEL_NODE if s == "model" else f"the {s} store" for s in names]
+    words = [MODEL_NODE if s == "model" else source_words(s) for s in names]
     return " and ".join(words) if words else "the stores"
 
 
