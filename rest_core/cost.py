@@ -178,8 +178,7 @@ class CostModel:
         if q > 1:
             _, cells = _cells(tree)
             taken = np.zeros(q, dtype=bool)
-            taken[list(accepted_nodes) or [0]] = True
-            taken[0] = True
+            taken[[0, *accepted_nodes]] = True  # the root is always "accepted"
             seen = taken[tree.parents[1:]]  # (q-1,) the parent was accepted: this node was put to the test
             hit = taken[1:].astype(float)
             sources = tree.sources[1:]
