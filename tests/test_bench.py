@@ -337,6 +337,10 @@ def test_suites_and_the_command_line():
     assert len(two) == 2 and two[0].ids[:6] == tuple(words("user: ")["input_ids"])
     with pytest.raises(ValueError, match="Unknown suite"):
         load_suite("mtbench", words)
+    picked = load_suite("chat", words, pick=["explain-*", "code-git-undo"], limit=3)
+    assert [p.id for p in picked] == ["code-git-undo", "explain-recursion", "explain-http"]  # suite order
+    with pytest.raises(ValueError, match="matches no prompt"):
+        load_suite("chat", words, pick=["nothing-*"])
     args = _parser().parse_args(["bench", "--suite", "chat", "--limit", "2", "--max-new-tokens", "16",
                                  "--methods", "plain", "rest_full"])
     assert args.func.__name__ == "run_bench" and args.limit == 2 and args.methods == ["plain", "rest_full"]
