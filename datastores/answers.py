@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from datastores.answer_prompts import answer_prompts
 from datastores.build import build_from_token_documents
-from datastores.common import DatastoreError, cache_dir, write_atomic
+from datastores.common import DatastoreError, cache_dir, safe_file_name, write_atomic
 from datastores.fingerprint import tokenizer_fingerprint
 from datastores.static import TokenDatastore
 
@@ -37,8 +37,7 @@ Generate = Callable[[list[list[int]], int], list[list[int]]]  # (prompt id lists
 
 def answers_store_path(model_name: str, tokenizer: Any) -> Path:
     """Per model (the answers are the model's) and tokenizer (the ids are the tokenizer's)."""
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model_name)
-    return cache_dir() / "stores" / f"answers-{safe}-{tokenizer_fingerprint(tokenizer)[:12]}"
+    return cache_dir() / "stores" / f"answers-{safe_file_name(model_name)}-{tokenizer_fingerprint(tokenizer)[:12]}"
 
 
 def _chat_ids(tokenizer: Any, text: str, generation_prompt: bool) -> list[int]:

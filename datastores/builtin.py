@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from datastores.answers import Generate, answers_store_path, build_answers_store, open_answers_store
 from datastores.build import build_datastore
-from datastores.common import DatastoreError, Store, cache_dir
+from datastores.common import DatastoreError, Store, cache_dir, safe_file_name
 from datastores.dynamic import HistoryStore, RequestStore
 from datastores.fingerprint import tokenizer_fingerprint
 from datastores.recycle import RecycleStore
@@ -92,8 +92,9 @@ def open_answers(spec: Optional[str], model_name: str, tokenizer: Any, generate:
         return open_answers_store(path, tokenizer)
     except DatastoreError:
         if generate is None:
-            raise DatastoreError(f"the general-text store for {model_name} is not built yet; build it with "
-                                 f"`python -m rest_core answers` (a few minutes, once)") from None
+            raise DatastoreError(f"the general-text store for {model_name} is not built yet; any chat decode builds "
+                                 f"it first (about 10 minutes on 2 CPU cores, once): `python -m rest_core generate "
+                                 f"--chat --prompt Hi`") from None
     with _build_lock(path):
         try:
             return open_answers_store(path, tokenizer)
@@ -117,8 +118,7 @@ def open_history(spec: Optional[str], tokenizer: Any, n_max: int = 16, n_min: in
 
 
 def default_recycle_path(model_name: str, tokenizer: Any) -> Path:
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model_name)
-    return cache_dir() / "recycle" / f"{safe}-{tokenizer_fingerprint(tokenizer)[:12]}.npz"
+    return cache_dir() / "recycle" / f"{safe_file_name(model_name)}-{tokenizer_fingerprint(tokenizer)[:12]}.npz"
 
 
 def open_recycle(spec: Optional[str], tokenizer: Any, vocab_size: int, model_name: str) -> Optional[RecycleStore]:

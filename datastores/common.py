@@ -49,6 +49,11 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def safe_file_name(name: str) -> str:
+    """A model or store name as one file-name part: letters, digits, '-', '_' and '.' kept, the rest '_'."""
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+
+
 def cache_dir() -> Path:
     """REST_LAB_CACHE or ~/.cache/rest-lab, created on demand."""
     d = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "rest-lab").expanduser()

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from datastores.common import cache_dir, write_atomic
+from datastores.common import cache_dir, safe_file_name, write_atomic
 from rest_core.machine import machine_key
 from rest_core.tree import DraftTree, keep_nodes
 
@@ -235,8 +235,7 @@ def _cells(tree: DraftTree) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, n
     same = np.array([tree.sources[int(p)] == s for p, s in zip(parents, tree.sources[1:])], dtype=bool)
     ratio = np.clip(np.where(same & (parent_share > 0), shares / np.maximum(parent_share, 1e-12), shares), 0.0, 1.0)
     depth = np.clip(tree.depths[1:] - 1, 0, DEPTHS - 1)
-    support = tree.support[1:] if tree.support.shape[0] == len(tree) else np.zeros(len(shares))
-    sup = np.clip(np.digitize(support, SUPPORT) - 1, 0, len(SUPPORT) - 1)
+    sup = np.clip(np.digitize(tree.support[1:], SUPPORT) - 1, 0, len(SUPPORT) - 1)
     return ratio, (depth, sup, np.clip(np.digitize(ratio, BINS) - 1, 0, len(BINS) - 2))
 
 
@@ -305,10 +304,6 @@ def monotone_fit(values: np.ndarray) -> np.ndarray:
 _CURVES: dict[Path, np.ndarray] = {}  # calibration file -> curve measured or checked in this process
 
 
-def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
-
-
 def _read_json(path: Optional[Path]):
     if path is None or not path.is_file():
         return None
@@ -342,11 +337,11 @@ def _cached_curve(lm, path: Path) -> Optional[np.ndarray]:
 
 
 def _stats_path(lm) -> Path:
-    return cache_dir() / "cost" / f"{_safe(lm.name)}-acceptance-v{STATS_VERSION}.json"
+    return cache_dir() / "cost" / f"{safe_file_name(lm.name)}-acceptance-v{STATS_VERSION}.json"
 
 
 def _calibration_path(lm) -> Path:
     kernels = getattr(lm, "kernels", None)
     tag = kernels.key() if kernels is not None else ""  # the curve depends on the linear kernels in use
     key = f"{lm.name}-{lm.device.type}-{str(lm.dtype).split('.')[-1]}-{machine_key()}" + (f"-{tag}" if tag else "")
-    return cache_dir() / "cost" / f"{_safe(key)}.json"
+    return cache_dir() / "cost" / f"{safe_file_name(key)}.json"

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datastores.common import cache_dir, write_atomic
+from datastores.common import cache_dir, safe_file_name, write_atomic
 from rest_core.machine import machine_key
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; others use the nearest below
@@ -259,8 +259,7 @@ def _measure(by_shape: dict[Shape, list[TunedLinear]]) -> KernelChoice:
 
 
 def _cache_path(name: str) -> Path:
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
-    return cache_dir() / "kernels" / f"{safe}-cpu-float32-{machine_key()}.json"
+    return cache_dir() / "kernels" / f"{safe_file_name(name)}-cpu-float32-{machine_key()}.json"
 
 
 def _write_cache(path: Path, choice: KernelChoice) -> None:

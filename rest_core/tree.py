@@ -162,11 +162,6 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
                      _children(tree_tokens, tree_parents), shares, support)
 
 
-def _take(values: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """values[keep], or zeros where a tree was made without per-node values (older callers)."""
-    return values[keep] if values.shape[0] > int(keep.max(initial=0)) else np.zeros(keep.size)
-
-
 def _children(tokens: np.ndarray, parents: np.ndarray) -> list[dict[int, int]]:
     """Per node: token -> child node."""
     children: list[dict[int, int]] = [dict() for _ in range(len(tokens))]
@@ -232,4 +227,4 @@ def keep_nodes(tree: DraftTree, nodes: np.ndarray) -> DraftTree:
         raise ValueError("keep_nodes: a kept node's parent was cut; keep a prefix-closed set of nodes")
     return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep],
                      [tree.sources[i] for i in keep], _children(tree.tokens[keep], parents), tree.shares[keep],
-                     _take(tree.support, keep))
+                     tree.support[keep])
