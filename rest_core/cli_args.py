@@ -8,7 +8,7 @@ from typing import Optional
 from datastores import TokenDatastore, open_answers
 from rest_core.decode import DecodeConfig
 from rest_core.model import LoadedModel, generate_batch
-from rest_core.retrieve import RetrieveSettings
+from rest_core.retrieve import MAX_MATCHES, RetrieveSettings
 from rest_core.sampling import Sampling
 
 
@@ -34,7 +34,8 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("retrieval and drafting")
     g.add_argument("--n-max", type=int, default=16, help="longest context suffix looked up (default 16)")
     g.add_argument("--n-min", type=int, default=2, help="shortest suffix that counts as a match (default 2)")
-    g.add_argument("--max-matches", type=int, default=5000, help="continuations taken per store (default 5000)")
+    g.add_argument("--max-matches", type=int, default=MAX_MATCHES,
+                   help=f"continuations taken per store (default {MAX_MATCHES})")
     g.add_argument("--continuation-len", type=int, default=24,
                    help="tokens per continuation, the deepest a draft branch goes (default 24; the cost model keeps a "
                         "branch only as deep as its chance of acceptance pays)")

@@ -124,11 +124,11 @@ class CostModel:
     def conditional(self, tree: DraftTree) -> np.ndarray:
         """(n,) each draft node's calibrated chance of being accepted once its parent was."""
         ratio, cells = _cells(tree)
-        sources = tree.sources[1:]
+        sources = _source_array(tree)
         drafted = np.zeros(len(sources))
         accepted = np.zeros(len(sources))
-        for name in set(sources):
-            rows = np.array([s == name for s in sources])
+        for name in set(tree.sources[1:]):
+            rows = sources == name
             c = self._counts(name)
             idx = tuple(cell[rows] for cell in cells)
             drafted[rows], accepted[rows] = c[0][idx], c[1][idx]
@@ -181,9 +181,9 @@ class CostModel:
             taken[[0, *accepted_nodes]] = True  # the root is always "accepted"
             seen = taken[tree.parents[1:]]  # (q-1,) the parent was accepted: this node was put to the test
             hit = taken[1:].astype(float)
-            sources = tree.sources[1:]
-            for name in set(sources):
-                rows = np.array([s == name for s in sources]) & seen
+            sources = _source_array(tree)
+            for name in set(tree.sources[1:]):
+                rows = (sources == name) & seen
                 if not rows.any():
                     continue
                 c = self._counts(name)
@@ -232,11 +232,17 @@ def _cells(tree: DraftTree) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, n
     parents = tree.parents[1:]
     shares = tree.shares[1:]
     parent_share = tree.shares[parents]
-    same = np.array([tree.sources[int(p)] == s for p, s in zip(parents, tree.sources[1:])], dtype=bool)
+    named = np.asarray(tree.sources)
+    same = named[parents] == named[1:]
     ratio = np.clip(np.where(same & (parent_share > 0), shares / np.maximum(parent_share, 1e-12), shares), 0.0, 1.0)
     depth = np.clip(tree.depths[1:] - 1, 0, DEPTHS - 1)
     sup = np.clip(np.digitize(tree.support[1:], SUPPORT) - 1, 0, len(SUPPORT) - 1)
     return ratio, (depth, sup, np.clip(np.digitize(ratio, BINS) - 1, 0, len(BINS) - 2))
+
+
+def _source_array(tree: DraftTree) -> np.ndarray:
+    """(n,) the draft nodes' source names as an array, for vectorized masks."""
+    return np.asarray(tree.sources[1:])
 
 
 def _stored_counts(data) -> dict[str, list]:

@@ -77,3 +77,18 @@ def test_open_recycle_specs(tmp_path, monkeypatch):
     (tmp_path / "other.npz").write_bytes(b"corrupt")
     with pytest.raises(DatastoreError):
         open_recycle(str(tmp_path / "other.npz"), Tok(), 50, "m")
+
+
+def test_a_full_table_drafts_from_few_rows_however_deep():
+    """Every token knows 8 successors: the paths at 24 tokens deep still come as about ROW_SCALE rows (one per
+    1/ROW_SCALE of chance), so merging them into the step's tree stays cheap, and the likeliest path leads."""
+    vocab = 64
+    store = RecycleStore(vocab_size=vocab, k=8)
+    ids = np.arange(vocab)
+    store.observe(ids, (ids[:, None] * 7 + np.arange(1, 9)[None, :]) % vocab)  # (V, 8) distinct successors
+    lk = store.lookup([3], continuation_len=24)
+    assert lk.continuations.shape[1] == 24
+    assert lk.continuations.shape[0] <= ROW_SCALE + 16  # rounding may add a row per path
+    tree = build_draft_tree(3, [lk], budget=8)
+    first = int(store.table[3, 0])
+    assert tree.tokens[1] == first and int(store.table[first, 0]) in tree.children[1]  # rank 0, then rank 0 again

@@ -10,7 +10,7 @@ from typing import Optional
 from datastores import DatastoreError
 from rest_core.decode import DecodeConfig, PromptError
 from rest_core.model import DEFAULT_MODEL, ModelLoadError
-from rest_core.retrieve import RetrieveSettings
+from rest_core.retrieve import MAX_MATCHES, RetrieveSettings
 from rest_core.sampling import Sampling
 
 log = logging.getLogger("rest_lab")
@@ -22,7 +22,6 @@ FIGURE_INTERVAL_S = 0.25  # at most 4 figure redraws per second while decoding..
 FIGURE_SHARE = 0.15  # ...and drawing takes at most this share of the time (it competes with the decode)
 STORE_WAIT_S = 3.0  # how long a decode waits for the built-in store before going on without it
 TEXT_INTERVAL_S = 0.08  # the streamed answer: at most about 12 updates per second
-MAX_MATCHES = 5000  # continuations taken per store and step
 BUILT_IN, UPLOADED, NO_STATIC = "built-in (Python sources)", "my uploaded files", "none"
 # when the general-text store (the model's own answers to varied requests) drafts
 ANSWERS_CHAT, ANSWERS_ALWAYS, ANSWERS_NEVER = "with chat prompts", "always", "never"

@@ -25,7 +25,7 @@ from datastores import DatastoreError, Lookup, RequestStore, StoreBase
 from datastores.common import empty_lookup
 from rest_core.decode import DEFAULT_BUDGET, DecodeConfig, Step, prefill, rest_step
 from rest_core.model import LoadedModel
-from rest_core.retrieve import RetrieveSettings
+from rest_core.retrieve import MAX_MATCHES, RetrieveSettings
 from rest_core.sampling import Sampling, draw_uniform
 from rest_core.tree import DraftTree, keep_nodes
 
@@ -198,7 +198,7 @@ def replay_plan(run: dict, steps: Sequence[dict], k: int, step: dict, wi: WhatIf
         notes.append(f"The {'model' if source == 'model' else source} source is replayed from the trace: its "
                      "state at this step is not kept, so the continuations it gave then are used (at most 32 were "
                      "recorded; its suffix length stays as recorded).")
-    retrieve = RetrieveSettings(wi.n_max, wi.n_min, int(s.get("max_matches") or 5000), wi.continuation_len)
+    retrieve = RetrieveSettings(wi.n_max, wi.n_min, int(s.get("max_matches") or MAX_MATCHES), wi.continuation_len)
     sampling, gen, drawn = replayed_sampling(run, steps, k, step)
     notes.append(f"Acceptance: {drawn}.")
     cfg = DecodeConfig(max_new_tokens=int(s.get("max_new_tokens") or 128), sampling=sampling, retrieve=retrieve,
