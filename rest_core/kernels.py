@@ -3,19 +3,24 @@
 A one-token step reads every weight once and is bound by memory bandwidth; a verify pass over
 q tree nodes reads the same weights, so in principle it costs little more.  On CPUs the default
 GEMM path for 2..64 rows is often far from that bound (the output layer of SmolLM2-135M,
-49152 x 576, costs two to three times more for 8 rows than for one), while oneDNN with the weight
-reordered once into its blocked layout ("prepacked") may stay close to it -- or may not, on
-another CPU, for another shape or for one row.
+49152 x 576, costs two to three times more for 8 rows than for one).  Two other ways to compute
+the same product may stay closer to it -- or may not, on another CPU, for another shape or row
+count:
+
+* "packed": oneDNN with the weight reordered once into its blocked layout (an extra copy of it);
+* "transposed": the product computed the other way round, W @ x.T, then transposed back (the same
+  numbers; on some CPUs the library's kernel for a wide right-hand side streams W better).
 
 `tune_linears(model, name)` swaps every `nn.Linear` of a CPU float32 model for a `TunedLinear`
-and measures, per weight shape and row count, which of the two kernels is faster on this machine
-(all layers of a shape swept in turn, so the timing sees the weights come from memory as in a
-real pass; both kernels interleaved, median of several rounds).  A layer then picks its kernel per
-call from the row count.  The choice is kept on disk per model and machine key
-(`rest_core.machine.machine_key`: CPU, instruction set, threads, torch version) and measured again
-when the key changes or with REST_LAB_RECALIBRATE=1.  Plain one-token decoding gets the same
-choice for one row, so a comparison with plain decoding stays honest.  The results differ from
-the default kernel only by float rounding.
+and measures, per weight shape and row count, which kernel is fastest on this machine: every
+linear layer of the model is run in model order, as in a forward pass (so the weights come from
+memory as they do then, not from a cache that one shape alone would fit in), each call timed on
+its own and summed per shape; the kernels take turns, fastest of several rounds.  A layer then
+picks its kernel per call from the row count.  The choice is kept on disk per model and machine
+key (`rest_core.machine.machine_key`: CPU, instruction set, threads, torch version) and measured
+again when the key changes or with REST_LAB_RECALIBRATE=1.  Plain one-token decoding gets the
+same choice for one row, so a comparison with plain decoding stays honest.  The results differ
+from the default kernel only by float rounding.
 
 REST_LAB_KERNELS=default keeps transformers' own linear layers (nothing swapped, nothing measured);
 `KernelChoice.enabled` switches a tuned model back to the default kernel for side-by-side runs.
@@ -42,11 +47,13 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; others use the nearest b
 MAX_ROWS = 64  # above this, the choice at 64 rows applies (prefill)
 SWEEP_LAYERS = 8  # layers of one shape timed in turn (more weight than the caches hold)
 ROUNDS = 9  # interleaved timing rounds per row count
-MARGIN = 0.05  # the prepacked kernel must be this much faster: ties keep the default (no extra memory)
+MARGIN = 0.05  # another kernel must be this much faster than the default: ties keep the default
 MARGIN_ONE_ROW = 0.15  # for one row (every step of plain decoding) only a clear win counts: a layer timed
 # alone showed the output layer 12% faster prepacked at one row, yet whole one-token passes ran 2-4% slower
 ENV = "REST_LAB_KERNELS"  # "auto" (default): measure and choose; "default": transformers' layers unchanged
-VERSION = 1  # of the cached file's layout and of the timing method
+VERSION = 2  # of the cached file's layout and of the timing method
+KERNELS = ("default", "packed", "transposed")  # index 0 is transformers' own F.linear
+DEFAULT, PACKED, TRANSPOSED = range(len(KERNELS))
 
 Shape = tuple[int, int]  # (out_features, in_features)
 
@@ -69,9 +76,10 @@ def packing_available(model: nn.Module) -> bool:
 
 
 class TunedLinear(nn.Module):
-    """An nn.Linear that also keeps its weight in oneDNN's blocked layout and uses, per call, the kernel
-    measured faster for that many rows.  x: (..., in_features) -> (..., out_features).  The weight and bias
-    are the original parameters (tied embeddings stay tied); the packed copy is made once and not updated."""
+    """An nn.Linear that uses, per call, the kernel measured fastest for that many rows (`KERNELS`), keeping
+    its weight also in oneDNN's blocked layout where "packed" is used.  x: (..., in_features) ->
+    (..., out_features).  The weight and bias are the original parameters (tied embeddings stay tied); the
+    packed copy is made once and not updated."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -79,7 +87,7 @@ class TunedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.packed: Optional[torch.Tensor] = None  # oneDNN layout; a plain attribute, never saved or moved
-        self.use_packed: tuple[bool, ...] = ()  # per row count 0..MAX_ROWS; empty: always the default kernel
+        self.plan: tuple[int, ...] = ()  # per row count 0..MAX_ROWS, the kernel (index in KERNELS); empty: default
 
     @property
     def shape(self) -> Shape:
@@ -94,13 +102,28 @@ class TunedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
+    def transposed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """W @ x.T, transposed back: the same product with the weight as the left-hand side."""
+        rows = x.reshape(-1, self.in_features)  # (m, in)
+        out = torch.mm(self.weight, rows.t()).t().contiguous()  # (m, out)
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
     def default_forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def kernel(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return (self.default_forward, self.packed_forward, self.transposed_forward)[index]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        use = self.use_packed
-        if use and use[min(x.numel() // self.in_features, MAX_ROWS)] and x.is_cpu and not torch.is_grad_enabled():
-            return self.packed_forward(x)
+        plan = self.plan
+        if plan and x.is_cpu and not torch.is_grad_enabled():
+            k = plan[min(x.numel() // self.in_features, MAX_ROWS)]
+            if k == PACKED:
+                return self.packed_forward(x)
+            if k == TRANSPOSED:
+                return self.transposed_forward(x)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -109,11 +132,11 @@ class TunedLinear(nn.Module):
 
 @dataclass
 class KernelChoice:
-    """Per weight shape and row count: is the prepacked kernel the faster one on this machine?
+    """Per weight shape and row count: which kernel (a name in KERNELS) is the fastest on this machine.
     Shared by every TunedLinear of one model."""
 
-    packed: dict[Shape, dict[int, bool]] = field(default_factory=dict)  # shape -> rows -> use prepacked
-    timings_ms: dict[Shape, dict[int, tuple[float, float]]] = field(default_factory=dict)  # (default, packed)
+    kernel: dict[Shape, dict[int, str]] = field(default_factory=dict)  # shape -> rows -> kernel name
+    timings_ms: dict[Shape, dict[int, dict[str, float]]] = field(default_factory=dict)  # shape -> rows -> kernel -> ms
     measured_s: float = 0.0  # how long the measurement took (0 when read from the cache)
     source: str = "measured"  # "measured" or the cache file it came from
     layers: list[TunedLinear] = field(default_factory=list, repr=False)
@@ -127,32 +150,50 @@ class KernelChoice:
     def enabled(self, on: bool) -> None:
         """False: every layer uses the default kernel (for side-by-side measurements); True: the choice."""
         self._enabled = bool(on)
+        plans = {shape: tuple(KERNELS.index(k) for k in row_table(table)) for shape, table in self.kernel.items()}
         for layer in self.layers:
-            table = self.packed.get(layer.shape, {})
-            layer.use_packed = row_table(table) if self._enabled and any(table.values()) else ()
+            plan = plans.get(layer.shape, ())
+            layer.plan = plan if self._enabled and any(plan) else ()
+
+    def uses(self, shape: Shape, kernel: str) -> bool:
+        """Whether some row count of this shape runs `kernel`."""
+        return kernel in self.kernel.get(shape, {}).values()
+
+    def _chosen(self) -> dict[str, dict[str, list[int]]]:
+        """shape text -> kernel -> the row counts that run it, other kernels than the default only."""
+        out: dict[str, dict[str, list[int]]] = {}
+        for (o, i), table in sorted(self.kernel.items()):
+            for r, k in sorted(table.items()):
+                if k != "default":
+                    out.setdefault(f"{o}x{i}", {}).setdefault(k, []).append(r)
+        return out
 
     def key(self) -> str:
         """A short tag for what the layers do now ('' when every layer runs the default kernel): the cost
         curve is calibrated per tag."""
-        on = {f"{o}x{i}": sorted(r for r, p in t.items() if p) for (o, i), t in sorted(self.packed.items())}
-        on = {k: v for k, v in on.items() if v}
-        if not self._enabled or not on:
+        chosen = self._chosen()
+        if not self._enabled or not chosen:
             return ""
-        return "k" + hashlib.sha256(json.dumps(on).encode()).hexdigest()[:8]
+        return "k" + hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:8]
 
     def describe(self) -> str:
-        """One line for a report: which shapes use the prepacked kernel at which row counts."""
+        """One line for a report: which shapes use which kernel at which row counts."""
         if not self._enabled:
             return "default linear kernels (tuned kernels switched off)"
-        parts = [f"{o}x{i}: rows {_ranges([r for r, on in sorted(t.items()) if on])}"
-                 for (o, i), t in sorted(self.packed.items()) if any(t.values())]
-        if not parts:
-            return "default linear kernels (measured faster at every row count)"
-        return "oneDNN prepacked linear for " + "; ".join(parts)
+        chosen = self._chosen()
+        if not chosen:
+            return "default linear kernels (measured fastest at every row count)"
+        names = {"packed": "oneDNN prepacked", "transposed": "transposed product (W @ x.T)"}
+        parts = []
+        for kernel in KERNELS[1:]:
+            shapes = [f"{shape}: rows {_ranges(by[kernel])}" for shape, by in chosen.items() if kernel in by]
+            if shapes:
+                parts.append(f"{names[kernel]} for " + "; ".join(shapes))
+        return " and ".join(parts)
 
 
-def row_table(table: dict[int, bool]) -> tuple[bool, ...]:
-    """Per row count 0..MAX_ROWS, the choice measured at the nearest row count at or below it."""
+def row_table(table: dict[int, object]) -> tuple:
+    """Per row count 0..MAX_ROWS, the value measured at the nearest row count at or below it."""
     measured = sorted(table)
     out = []
     for r in range(MAX_ROWS + 1):
@@ -167,38 +208,45 @@ def _ranges(rows: list[int]) -> str:
     return ", ".join(str(r) for r in rows)
 
 
-def _sweep_ms(kernels: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> float:
-    """Milliseconds to run x through every kernel in turn."""
-    start = time.perf_counter()
-    for f in kernels:
-        f(x)
-    return (time.perf_counter() - start) * 1e3
-
-
 @torch.inference_mode()
-def measure_shape(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS,
-                  rounds: int = ROUNDS) -> dict[int, tuple[float, float]]:
-    """(default, prepacked) milliseconds to run x through every layer in `layers` in turn, per row count: the
-    fastest of `rounds` rounds, the two kernels interleaved (the order alternating).  The fastest, not the
-    median: other programs on the machine only ever add time, and a kernel's own spread is small."""
+def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS,
+                   rounds: int = ROUNDS) -> dict[Shape, dict[int, dict[str, float]]]:
+    """Per weight shape, row count and kernel: milliseconds for the shape's layers of one forward pass.
+
+    Every layer runs in `layers`' order (the model's) as in a forward pass, so each weight comes from
+    memory as it then does; each call is timed alone and summed per shape.  The kernels take turns (the
+    order rotating per round; the first round warms up) and each keeps its fastest round: other programs
+    on the machine only ever add time, and a kernel's own spread is small."""
     gen = torch.Generator().manual_seed(0)
-    out = {}
+    shapes = list(dict.fromkeys(layer.shape for layer in layers))
+    out: dict[Shape, dict[int, dict[str, float]]] = {shape: {} for shape in shapes}
+    clock = time.perf_counter
     for r in rows:
-        x = torch.randn(1, r, layers[0].in_features, generator=gen)
-        kernels = ([lay.default_forward for lay in layers], [lay.packed_forward for lay in layers])
-        samples: tuple[list[float], list[float]] = ([], [])
-        for k in range(rounds + 1):
-            for which in ((0, 1) if k % 2 else (1, 0)):
-                ms = _sweep_ms(kernels[which], x)
-                if k:  # the first round warms up
-                    samples[which].append(ms)
-        out[r] = (min(samples[0]), min(samples[1]))
+        inputs = {n: torch.randn(1, r, n, generator=gen) for n in {layer.in_features for layer in layers}}
+        calls = [(layer.shape, inputs[layer.in_features]) for layer in layers]
+        best = {shape: {k: float("inf") for k in KERNELS} for shape in shapes}
+        for rnd in range(rounds + 1):
+            for k in (KERNELS[rnd % 3:] + KERNELS[:rnd % 3]):
+                fns = [layer.kernel(KERNELS.index(k)) for layer in layers]
+                spent = dict.fromkeys(shapes, 0.0)
+                for fn, (shape, x) in zip(fns, calls):
+                    t0 = clock()
+                    fn(x)
+                    spent[shape] += clock() - t0
+                if rnd:
+                    for shape, sec in spent.items():
+                        best[shape][k] = min(best[shape][k], sec * 1e3)
+        for shape in shapes:
+            out[shape][r] = best[shape]
     return out
 
 
-def faster(default_ms: float, packed_ms: float, rows: int) -> bool:
-    """Whether the prepacked kernel wins at this row count: by MARGIN, and by MARGIN_ONE_ROW for one row."""
-    return packed_ms < default_ms * (1.0 - (MARGIN_ONE_ROW if rows == 1 else MARGIN))
+def fastest(times: dict[str, float], rows: int) -> str:
+    """The kernel to use at this row count: the fastest other kernel when it beats the default by MARGIN
+    (MARGIN_ONE_ROW for one row), else the default."""
+    margin = MARGIN_ONE_ROW if rows == 1 else MARGIN
+    other = min(KERNELS[1:], key=lambda k: times[k])
+    return other if times[other] < times["default"] * (1.0 - margin) else "default"
 
 
 def _swap(module: nn.Module) -> list[TunedLinear]:
@@ -214,7 +262,7 @@ def _swap(module: nn.Module) -> list[TunedLinear]:
 
 
 def tune_linears(model: nn.Module, name: str, cache: bool = True) -> Optional[KernelChoice]:
-    """Swap the model's linear layers for TunedLinear and choose, per weight shape and row count, the faster
+    """Swap the model's linear layers for TunedLinear and choose, per weight shape and row count, the fastest
     kernel on this machine (read from the cache when it was measured here before).
 
     Returns the shared KernelChoice, or None when nothing is swapped: REST_LAB_KERNELS=default, a GPU or
@@ -224,36 +272,29 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True) -> Optional[Ke
     layers = _swap(model)
     if not layers:
         return None
-    by_shape: dict[Shape, list[TunedLinear]] = {}
-    for layer in layers:
-        by_shape.setdefault(layer.shape, []).append(layer)
+    shapes = {layer.shape for layer in layers}
     path = _cache_path(name)
-    choice = _read_cache(path, set(by_shape)) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
+    choice = _read_cache(path, shapes) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
     if choice is None:
-        choice = _measure(by_shape)
+        choice = _measure(layers)
         if cache:
             _write_cache(path, choice)
-    for shape, group in by_shape.items():  # keep the packed copies only where they are used
-        for layer in group:
-            if any(choice.packed[shape].values()):
-                layer.pack()
-            else:
-                layer.packed = None
+    for layer in layers:  # keep the packed copies only where they are used
+        if choice.uses(layer.shape, "packed"):
+            layer.pack()
+        else:
+            layer.packed = None
     choice.layers = layers
     choice.enabled = True
     return choice
 
 
-def _measure(by_shape: dict[Shape, list[TunedLinear]]) -> KernelChoice:
+def _measure(layers: list[TunedLinear]) -> KernelChoice:
     start = time.perf_counter()
-    choice = KernelChoice()
-    for shape, group in by_shape.items():
-        sweep = group[:SWEEP_LAYERS]
-        for layer in sweep:
-            layer.pack()
-        timings = measure_shape(sweep)
-        choice.timings_ms[shape] = timings
-        choice.packed[shape] = {r: faster(d, p, r) for r, (d, p) in timings.items()}
+    for layer in layers:
+        layer.pack()
+    choice = KernelChoice(timings_ms=measure_layers(layers))
+    choice.kernel = {shape: {r: fastest(t, r) for r, t in table.items()} for shape, table in choice.timings_ms.items()}
     choice.measured_s = time.perf_counter() - start
     return choice
 
@@ -263,10 +304,10 @@ def _cache_path(name: str) -> Path:
 
 
 def _write_cache(path: Path, choice: KernelChoice) -> None:
-    data = {"version": VERSION, "rows": list(ROWS), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "measured_s": round(choice.measured_s, 3),
-            "shapes": {f"{o}x{i}": {str(r): [round(d, 5), round(p, 5), choice.packed[(o, i)][r]]
-                                    for r, (d, p) in t.items()} for (o, i), t in choice.timings_ms.items()}}
+    data = {"version": VERSION, "rows": list(ROWS), "kernels": list(KERNELS),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "measured_s": round(choice.measured_s, 3),
+            "shapes": {f"{o}x{i}": {str(r): {k: round(ms, 5) for k, ms in t.items()} for r, t in table.items()}
+                       for (o, i), table in choice.timings_ms.items()}}
     try:
         write_atomic(path, json.dumps(data).encode("utf-8"))
     except OSError:  # a cache that cannot be written is skipped: the choice holds for this process
@@ -277,15 +318,15 @@ def _read_cache(path: Path, shapes: set[Shape]) -> Optional[KernelChoice]:
     """The choice stored for this model and machine key; None when missing, unreadable or for other shapes."""
     try:
         data = json.loads(path.read_text())
-        if data.get("version") != VERSION or data.get("rows") != list(ROWS):
+        if data.get("version") != VERSION or data.get("rows") != list(ROWS) or data.get("kernels") != list(KERNELS):
             return None
         choice = KernelChoice(source=str(path))
         for text, table in data["shapes"].items():
             o, i = (int(v) for v in text.split("x"))
-            choice.timings_ms[(o, i)] = {int(r): (float(v[0]), float(v[1])) for r, v in table.items()}
-            choice.packed[(o, i)] = {int(r): faster(float(v[0]), float(v[1]), int(r)) for r, v in table.items()}
+            choice.timings_ms[(o, i)] = {int(r): {k: float(t[k]) for k in KERNELS} for r, t in table.items()}
+            choice.kernel[(o, i)] = {r: fastest(t, r) for r, t in choice.timings_ms[(o, i)].items()}
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
-    if set(choice.packed) != shapes or any(set(t) != set(ROWS) for t in choice.packed.values()):
+    if set(choice.kernel) != shapes or any(set(t) != set(ROWS) for t in choice.kernel.values()):
         return None
     return choice

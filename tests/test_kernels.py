@@ -17,7 +17,7 @@ from rest_core.bench import BenchPrompt, run_benchmark
 from rest_core.bench.cli import kernel_variants
 from rest_core.bench.verify_pass import cost_curves, verify_markdown
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
-from rest_core.kernels import ROWS, KernelChoice, TunedLinear, kernels_mode, row_table, tune_linears
+from rest_core.kernels import KERNELS, ROWS, KernelChoice, TunedLinear, kernels_mode, row_table, tune_linears
 
 from conftest import make_tiny_lm
 from oracle import BruteForceStore
@@ -33,28 +33,29 @@ def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "ROUNDS", 2)  # the tiny model's layers time in microseconds: keep it short
 
 
-def force(choice: KernelChoice, packed: bool) -> None:
-    """Every shape and row count on the prepacked kernel (or none): the kernel under test runs everywhere."""
-    choice.packed = {shape: {r: packed for r in ROWS} for shape in choice.packed}
+def force(choice: KernelChoice, kernel: str) -> None:
+    """Every shape and row count on one kernel: the kernel under test runs everywhere."""
+    choice.kernel = {shape: {r: kernel for r in ROWS} for shape in choice.kernel}
     for layer in choice.layers:
         layer.pack()
     choice.enabled = True
 
 
-def tuned_tiny(packed: bool = True):
+def tuned_tiny(kernel: str = "packed"):
     lm = make_tiny_lm(layers=2)
     reference = copy.deepcopy(lm.model)  # transformers' own layers, untouched
     lm.kernels = tune_linears(lm.model, "tiny-random")
-    force(lm.kernels, packed)
+    force(lm.kernels, kernel)
     return lm, reference
 
 
-def test_every_linear_is_swapped_and_gives_the_default_logits():
-    lm, reference = tuned_tiny()
+@pytest.mark.parametrize("kernel", ["packed", "transposed"])
+def test_every_linear_is_swapped_and_gives_the_default_logits(kernel):
+    lm, reference = tuned_tiny(kernel)
     linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
     tuned = [m for m in lm.model.modules() if isinstance(m, TunedLinear)]
     assert not linears and len(tuned) == 2 * 7 + 1  # q k v o gate up down per layer, and the output layer
-    assert all(layer.use_packed and all(layer.use_packed) for layer in tuned)
+    assert all(layer.plan and set(layer.plan) == {KERNELS.index(kernel)} for layer in tuned)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for q in (1, 3, 8, 40, 70):  # 70 rows: above the largest measured count, the choice at 64 applies
@@ -63,9 +64,10 @@ def test_every_linear_is_swapped_and_gives_the_default_logits():
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (q, (got - want).abs().max())
 
 
-def test_tree_passes_with_a_cache_match_the_default_kernels():
+@pytest.mark.parametrize("kernel", ["packed", "transposed"])
+def test_tree_passes_with_a_cache_match_the_default_kernels(kernel):
     """A verify pass (tree mask, DynamicCache) over q nodes: the same logits as transformers' layers."""
-    lm, reference = tuned_tiny()
+    lm, reference = tuned_tiny(kernel)
     gen = torch.Generator().manual_seed(1)
     prefix = torch.randint(0, 70_000, (1, 20), generator=gen)
     with torch.inference_mode():
@@ -81,9 +83,23 @@ def test_tree_passes_with_a_cache_match_the_default_kernels():
     assert torch.allclose(out[0], out[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_greedy_rest_stays_identical_to_plain_with_either_kernel(packed):
-    lm, _ = tuned_tiny(packed)
+def test_each_kernel_computes_the_layer_with_its_bias_for_any_leading_shape():
+    torch.manual_seed(0)
+    layer = TunedLinear(torch.nn.Linear(24, 40, bias=True))
+    layer.pack()
+    with torch.inference_mode():
+        for shape in ((1, 1, 24), (1, 7, 24), (3, 5, 24), (7, 24)):
+            x = torch.randn(*shape)
+            want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            for index, name in enumerate(KERNELS):
+                got = layer.kernel(index)(x)
+                assert got.shape == want.shape and got.is_contiguous(), (name, shape)
+                assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (name, shape)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_greedy_rest_stays_identical_to_plain_with_every_kernel(kernel):
+    lm, _ = tuned_tiny(kernel)
     prompt = [5, 9, 69_999, 3]
     cfg = DecodeConfig(max_new_tokens=30, draft_budget=10, stop_at_eos=False)
     plain = plain_generate(lm, prompt, cfg)
@@ -105,10 +121,10 @@ def test_the_switch_turns_the_tuned_kernels_off(monkeypatch):
     monkeypatch.setenv("REST_LAB_KERNELS", "auto")
     lm, _ = tuned_tiny()
     lm.kernels.enabled = False  # at run time, for side-by-side measurements
-    assert all(layer.use_packed == () for layer in lm.kernels.layers)
+    assert all(layer.plan == () for layer in lm.kernels.layers)
     assert lm.kernels.key() == "" and "switched off" in lm.kernels.describe()
     lm.kernels.enabled = True
-    assert all(layer.use_packed for layer in lm.kernels.layers) and lm.kernels.key().startswith("k")
+    assert all(layer.plan for layer in lm.kernels.layers) and lm.kernels.key().startswith("k")
 
 
 def test_the_choice_follows_the_measured_times_per_row_count():
@@ -119,22 +135,30 @@ def test_the_choice_follows_the_measured_times_per_row_count():
     assert choice.source == "measured" and choice.measured_s > 0
     for shape, table in choice.timings_ms.items():
         assert set(table) == set(ROWS)
-        for r, (default_ms, packed_ms) in table.items():
-            assert default_ms > 0 and packed_ms > 0
+        for r, times in table.items():
+            assert set(times) == set(KERNELS) and all(ms > 0 for ms in times.values())
             margin = kernels.MARGIN_ONE_ROW if r == 1 else kernels.MARGIN
-            assert choice.packed[shape][r] == (packed_ms < default_ms * (1 - margin))
+            chosen = choice.kernel[shape][r]
+            best_other = min(KERNELS[1:], key=times.get)
+            if chosen == "default":
+                assert times[best_other] >= times["default"] * (1 - margin)
+            else:  # the fastest of the others, by the margin
+                assert chosen == best_other and times[chosen] < times["default"] * (1 - margin)
     for layer in choice.layers:  # a packed copy only where some row count uses it
-        assert (layer.packed is not None) == any(choice.packed[layer.shape].values())
+        assert (layer.packed is not None) == choice.uses(layer.shape, "packed")
+        assert layer.plan == (tuple(KERNELS.index(k) for k in row_table(choice.kernel[layer.shape]))
+                              if choice.kernel[layer.shape] and set(choice.kernel[layer.shape].values()) != {"default"}
+                              else ())
 
 
 def test_calibration_is_kept_per_machine_key_and_measured_again_on_a_new_one(monkeypatch, tmp_path):
     measured = []
     real = kernels._measure
-    monkeypatch.setattr(kernels, "_measure", lambda by_shape: measured.append(1) or real(by_shape))
+    monkeypatch.setattr(kernels, "_measure", lambda layers: measured.append(1) or real(layers))
     monkeypatch.setattr(kernels, "machine_key", lambda: "machine-a")
     first = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     again = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
-    assert len(measured) == 1 and again.source.endswith("machine-a.json") and again.packed == first.packed
+    assert len(measured) == 1 and again.source.endswith("machine-a.json") and again.kernel == first.kernel
     monkeypatch.setattr(kernels, "machine_key", lambda: "machine-b")  # another CPU, thread count or torch
     tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     assert len(measured) == 2
@@ -184,7 +208,7 @@ def test_benchmark_runs_every_method_with_both_kernels_against_untouched_generat
     real_forward = TunedLinear.forward
 
     def spy(self, x):
-        seen.append(bool(self.use_packed))
+        seen.append(bool(self.plan))
         return real_forward(self, x)
 
     TunedLinear.forward = spy
@@ -201,7 +225,7 @@ def test_benchmark_runs_every_method_with_both_kernels_against_untouched_generat
     assert summ["per_prompt_default_kernels"]["method"] == "rest_full@default"
     assert "default_kernels" in res["checks"]
     md = (tmp_path / "out" / "results.md").read_text()
-    assert "| rest_full@default |" in md and "Linear kernels: oneDNN prepacked linear" in md
+    assert "| rest_full@default |" in md and "Linear kernels: oneDNN prepacked for" in md
     assert np.isfinite(summ["methods"]["rest_full@default"]["tokens_per_s"])
     lm.kernels = None
     with pytest.raises(ValueError, match="--kernels-ab needs the tuned linear kernels"):
