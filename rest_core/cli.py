@@ -56,7 +56,8 @@ def build_decoder(args: argparse.Namespace, lm: LoadedModel) -> RestDecoder:
                              model=open_recycle(args.model_drafts, lm.tokenizer, lm.vocab_size, lm.name),
                              n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
     auto = cfg.draft_budget is None  # a fixed budget needs no cost curve
-    return RestDecoder(lm, stores=stores, budget_chooser=CostModel.for_model(lm, stores) if auto else None)
+    kind = "chat" if getattr(args, "chat", False) else "text"  # acceptance is learned per kind of text
+    return RestDecoder(lm, stores=stores, budget_chooser=CostModel.for_model(lm, stores, kind=kind) if auto else None)
 
 
 def save_learned(decoder: RestDecoder) -> None:

@@ -24,9 +24,12 @@ little, and learning wins within a few decodes.  Nodes are kept best chance firs
 budget over one that merely retrieved more.  When no tree pays for its cost, b = 0
 is a plain step, so REST never runs slower than plain decoding by design.
 
-The counts are kept between runs per model and per store (its label: the Python
-store, the general-text store, the request store, ...), so a store that joins a
-new set of stores brings what was learned about it.  The cost curve is measured
+The counts are kept between runs per model, per store (its label: the Python
+store, the general-text store, the request store, ...) and per kind of text being
+decoded (`kind`: "chat" or "text", told by the caller), so a store that joins a
+new set of stores brings what was learned about it, and what a store's drafts
+earned on code prompts does not set how much it drafts in a chat (the Python
+store's drafts were accepted 26% of the time on HumanEval and 6% in chat).  The cost curve is measured
 once per process for a model, device and machine.
 """
 from __future__ import annotations
@@ -75,12 +78,15 @@ class CostModel:
     counts: dict[str, np.ndarray] = field(default_factory=dict)
     stats_path: Path | None = None  # where the acceptance counts persist between runs
     labels: dict[str, str] = field(default_factory=dict)  # source name -> the store's label (the key on disk)
+    kind: str = ""  # what is being decoded: "chat", "text" ("" = not told); acceptance is kept per kind
     _recent: dict = field(default_factory=dict, repr=False)
 
     # -- construction ---------------------------------------------------------------
     @classmethod
-    def for_model(cls, lm: LoadedModel, stores: Optional[Sequence[Store]] = None, cache: bool = True) -> CostModel:
-        """Calibrated for this model on this machine, with acceptance learned for these stores.
+    def for_model(cls, lm: LoadedModel, stores: Optional[Sequence[Store]] = None, cache: bool = True,
+                  kind: str = "") -> CostModel:
+        """Calibrated for this model on this machine, with acceptance learned for these stores on this kind of
+        text ("chat" for chat-template prompts, "text" for plain continuation; "" when the caller cannot tell).
 
         The full curve is measured once and cached on disk and in this process; a new
         process times a few one-token passes and measures the curve again when they
@@ -99,7 +105,7 @@ class CostModel:
             if cache:
                 _CURVES[path] = times
         model = cls(times_ms=np.array(times, dtype=float),
-                    labels={s.source: getattr(s, "label", s.source) for s in stores or ()})
+                    labels={s.source: getattr(s, "label", s.source) for s in stores or ()}, kind=kind)
         if cache:
             model.stats_path = _stats_path(lm)
             model.load_stats()
@@ -210,7 +216,7 @@ class CostModel:
         if self.stats_path is None:
             return
         stores = _stored_counts(_read_json(self.stats_path))
-        stores.update({self.labels.get(k, k): v.tolist() for k, v in self.counts.items()})
+        stores.update({self._disk_key(self.labels.get(k, k)): v.tolist() for k, v in self.counts.items()})
         _write_json(self.stats_path, {"version": STATS_VERSION, "shape": list(SHAPE), "bins": BINS.tolist(),
                                       "stores": stores})
 
@@ -218,12 +224,25 @@ class CostModel:
         """Counts saved by earlier runs with this model for these stores; anything unreadable is ignored."""
         saved = _stored_counts(_read_json(self.stats_path))
         counts = {}
-        for label, value in saved.items():
-            arr = np.asarray(value, dtype=float)
+        for key, value in saved.items():
+            label = self._label_of(key)
+            if label is None:  # another kind's
+                continue
             name = next((n for n, lab in self.labels.items() if lab == label), None if self.labels else label)
             if name is not None:
-                counts[name] = arr
+                counts[name] = np.asarray(value, dtype=float)
         self.counts = counts
+
+    def _disk_key(self, label: str) -> str:
+        """The key of a store's counts on disk: its label, and the kind of text when told."""
+        return f"{label} [{self.kind}]" if self.kind else label
+
+    def _label_of(self, key: str) -> Optional[str]:
+        """The store label of a key on disk when it holds this kind's counts, else None."""
+        if self.kind:
+            suffix = f" [{self.kind}]"
+            return key[:-len(suffix)] if key.endswith(suffix) else None
+        return None if key.endswith("]") and " [" in key else key
 
 
 def _cells(tree: DraftTree) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:

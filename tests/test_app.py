@@ -624,3 +624,21 @@ def test_a_visitors_history_never_drafts_from_another_visitors_answers(engine, s
     assert rec.get_run(first.run_id)["output"] == rec.get_run(theirs.run_id)["output"]
     assert any("history" in (s["accepted_sources"] or []) for s in rec.load_steps(mine.run_id))
     assert node_sources(rec, theirs.run_id) <= {""}, "nothing of visitor a's text is drafted for visitor b"
+
+
+
+def test_the_budget_learns_per_kind_of_prompt(engine, session):
+    """Chat and completion turns get their own budget choosers (acceptance is learned per kind of text)."""
+    import numpy as np
+
+    from rest_core.cost import GRID, CostModel
+
+    run_turn(engine, session, replace(TINY, budget_mode="auto", max_new_tokens=8), PROMPT)
+    slot = engine.model(TINY.model)
+    assert [key[0] for key in slot.costs] == ["text"]  # a completion turn: the "text" chooser
+    slot.cost_factory = lambda lm, stores: CostModel(times_ms=np.array([50.0 + q for q in GRID]))
+    slot.costs.clear()
+    stores = [engine.start_static(slot).store]
+    chat, text = slot.chooser(stores, kind="chat"), slot.chooser(stores, kind="text")
+    assert chat is not text and chat.kind == "chat" and text.kind == "text"
+    assert slot.chooser(stores, kind="chat") is chat  # one per kind and set of stores, kept

@@ -400,7 +400,9 @@ def test_one_bench_run_measures_the_forward_curve_once(lm, store, monkeypatch):
     assert len(saved) == 2 * (1 + len(PROMPTS)) and len({id(c) for c in saved}) == 2
     assert len({c.stats_path for c in saved}) == 1  # acceptance is kept per model, store by store
     kept = json.loads(saved[0].stats_path.read_text())["stores"]
-    assert store.label in kept and set(kept) <= {store.label, "request", "history", "model"}
+    # per store, and per kind of prompt (this suite's prompts are plain text)
+    assert f"{store.label} [text]" in kept
+    assert set(kept) <= {f"{label} [text]" for label in (store.label, "request", "history", "model")}
 
 
 class _Figure:

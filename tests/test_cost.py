@@ -233,3 +233,34 @@ def test_draft_depth_follows_how_often_a_pattern_was_continued_that_way():
         model.observe(lone, [0, 1], forward_ms=52.0)  # the first token only
     assert model.choose(agreed) >= 16
     assert model.choose(lone) <= 2
+
+
+def test_acceptance_is_kept_per_kind_of_text(tiny_lm, tmp_path, monkeypatch):
+    """What a store's drafts earned on one kind of prompt (code completion) does not set how much it drafts on
+    another (chat): the counts are saved and read back per kind; a caller that does not tell keeps its own."""
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
+    cost._CURVES.clear()
+    monkeypatch.setattr(cost, "measure_forward_curve",
+                        lambda lm, prefix_len=96, repeats=3, grid=GRID: np.array([50.0 + q for q in grid], dtype=float))
+    stores = [OracleLookup("static", 0, 0, None)]
+    stores[0].label = "static:/a"
+    rows = np.array([[11, 12, 13]] * 4)
+    tree = build_draft_tree(1, [OracleLookup("static", 3, 4, rows)], budget=8)
+    text = CostModel.for_model(tiny_lm, stores, kind="text")
+    for _ in range(40):  # on code, the whole branch is accepted every time
+        text.observe(tree, [0, 1, 2, 3], forward_ms=60.0)
+    text.save_stats()
+    saved = json.loads(text.stats_path.read_text())["stores"]
+    assert set(saved) == {"static:/a [text]"}
+    chat = CostModel.for_model(tiny_lm, stores, kind="chat")
+    assert chat.counts == {}  # a chat starts from the prior, not from what code taught
+    assert (chat.ranked(tree)[1] < CostModel.for_model(tiny_lm, stores, kind="text").ranked(tree)[1]).all()
+    for _ in range(5):
+        chat.observe(tree, [0], forward_ms=60.0)
+    chat.save_stats()
+    again = CostModel.for_model(tiny_lm, stores, kind="text")
+    assert again.counts["static"][1].sum() == text.counts["static"][1].sum()  # the chat's misses left it alone
+    assert CostModel.for_model(tiny_lm, stores, kind="chat").counts["static"][1].sum() == 0
+    assert CostModel.for_model(tiny_lm, stores).counts == {}  # untold: neither kind's
+    assert set(json.loads(text.stats_path.read_text())["stores"]) == {"static:/a [text]", "static:/a [chat]"}
+    cost._CURVES.clear()

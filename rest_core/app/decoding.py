@@ -84,7 +84,8 @@ def make_decoder(engine: Engine, slot: ModelSlot, session: Session, settings: Se
     model = session.recycle_store(slot.lm) if settings.model_drafts else None
     stores = assemble_stores(static=static, answers=answers, request=settings.request_store, history=history,
                              model=model, n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
-    chooser = slot.chooser(stores) if cfg.draft_budget is None else None
+    chooser = slot.chooser(stores, kind="chat" if settings.mode == "chat" else "text") \
+        if cfg.draft_budget is None else None
     return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser), notice
 
 

@@ -60,16 +60,21 @@ class ModelSlot:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one decode at a time on this model
     static: StoreSlot = field(default_factory=StoreSlot)
     answers: StoreSlot = field(default_factory=StoreSlot)  # the general-text store (the model's own answers)
-    costs: dict[tuple[str, ...], Any] = field(default_factory=dict)  # store labels -> budget chooser
+    costs: dict[tuple[str, ...], Any] = field(default_factory=dict)  # (kind, *store labels) -> budget chooser
     _cost_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def chooser(self, stores: Sequence[Store]) -> Any:
-        """The automatic budget's cost model for these stores (the forward-pass cost is measured once
-        per process and model; acceptance is learned per set of stores)."""
-        key = tuple(store_labels(stores))
+    def chooser(self, stores: Sequence[Store], kind: str = "") -> Any:
+        """The automatic budget's cost model for these stores and this kind of prompt ("chat" or "text"; the
+        forward-pass cost is measured once per process and model; acceptance is learned per store and kind)."""
+        key = (kind, *store_labels(stores))
         with self._cost_lock:
             if key not in self.costs:
-                self.costs[key] = self.cost_factory(self.lm, stores)
+                chooser = self.cost_factory(self.lm, stores)
+                if kind and isinstance(chooser, CostModel):
+                    chooser.kind = kind
+                    if chooser.stats_path is not None:
+                        chooser.load_stats()  # this kind's counts
+                self.costs[key] = chooser
             return self.costs[key]
 
     @property

@@ -109,8 +109,9 @@ class MethodRunner:
     """Runs any method on a prompt and returns one raw record (numbers only measured here)."""
 
     def __init__(self, lm: LoadedModel, static_store: Store | None, cfg: DecodeConfig, methods: Sequence[str],
-                 prompt_lookup_tokens: int = 10, answers_store: Store | None = None):
+                 prompt_lookup_tokens: int = 10, answers_store: Store | None = None, kind: str = "text"):
         self.lm, self.cfg, self.methods = lm, cfg, tuple(methods)
+        self.kind = kind  # "chat" or "text": the budget choosers learn acceptance per kind of prompt
         self.answers_store = answers_store
         if answers_store is None and any(base_method(m) == ANSWERS_METHOD for m in self.methods):
             raise ValueError("rest_answers needs the general-text store: pass --answers default (or a store folder).")
@@ -159,7 +160,7 @@ class MethodRunner:
         stores = self._stores(method)
         auto = self.cfg.draft_budget is None  # a fixed budget needs no chooser
         return RestDecoder(self.lm, stores=stores,
-                           budget_chooser=CostModel.for_model(self.lm, stores=stores) if auto else None)
+                           budget_chooser=CostModel.for_model(self.lm, stores=stores, kind=self.kind) if auto else None)
 
     def reset_learned(self) -> None:
         """Empty the history and the model tables: what follows starts from nothing learned, as the run did.

@@ -83,7 +83,8 @@ def run_benchmark(lm: LoadedModel, prompts: Sequence[BenchPrompt], cfg: DecodeCo
                "started_at": _dt.datetime.now().isoformat(timespec="seconds")}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # generate() warns about sampling flags unused in greedy mode
-    runner = MethodRunner(lm, static_store, cfg, methods, prompt_lookup_tokens, answers_store=answers_store)
+    runner = MethodRunner(lm, static_store, cfg, methods, prompt_lookup_tokens, answers_store=answers_store,
+                          kind="chat" if suite == "chat" else "text")
     results["settings"]["cost_model"] = {"grid": list(runner.cost_model.grid),
                                          "times_ms": [round(float(t), 4) for t in runner.cost_model.times_ms]}
     interrupted = False
