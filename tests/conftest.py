@@ -97,6 +97,11 @@ class TinyTokenizer:
         return {"input_ids": [int(w[1:]) for w in text.split()]}
 
 
+def no_chooser(lm, stores, kind):
+    """A budget-chooser factory for app tests that fix the draft budget: no cost model at all."""
+    return None
+
+
 def make_tiny_lm(vocab_size: int = 70_000, seed: int = 0, layers: int = 2, eos_token_id: int = 0,
                  max_positions: int = 512):
     """A LlamaConfig model with grouped-query attention and a vocabulary over 65,535 by default."""

@@ -25,7 +25,7 @@ from rest_core.app import session as session_module
 from rest_core.traces import figures
 from rest_core.traces.recorder import TraceRecorder
 
-from conftest import free_port, last_values, make_tiny_lm, private_cache
+from conftest import free_port, last_values, make_tiny_lm, no_chooser, private_cache
 
 pytestmark = pytest.mark.usefixtures("module_cache")
 
@@ -56,7 +56,7 @@ def tiny_store(tiny, tmp_path_factory):
 
 def tiny_engine(tiny, store, traces) -> sup.Engine:
     engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: store,
-                        cost_factory=lambda lm, stores: None, recorder=TraceRecorder(traces))
+                        cost_factory=no_chooser, recorder=TraceRecorder(traces))
     assert engine.start_static(engine.model(TINY.model)).finished.wait(30)
     return engine
 
@@ -169,7 +169,7 @@ def test_status_tells_while_the_built_in_store_is_built(tiny, tmp_path, session)
         release.wait(30)
         return None
 
-    engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=slow_store, cost_factory=lambda lm, stores: None,
+    engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=slow_store, cost_factory=no_chooser,
                         recorder=TraceRecorder(tmp_path / "t.sqlite"))
     assert "loads on first use" in engine.status()
     views = run_turn(engine, session, replace(TINY, max_new_tokens=4), PROMPT)
@@ -434,7 +434,7 @@ def test_upload_store_is_built_and_drafts(tmp_path, session):
     from rest_core.model import load_model
 
     engine = sup.Engine(lm_factory=lambda name: load_model(), store_factory=lambda tok: None,
-                        cost_factory=lambda lm, stores: None, recorder=TraceRecorder(tmp_path / "t.sqlite"))
+                        cost_factory=no_chooser, recorder=TraceRecorder(tmp_path / "t.sqlite"))
     code = "def frobnicate_widgets(widget_list, factor):\n    return [w * factor for w in widget_list]\n"
     (tmp_path / "mine.py").write_text(code * 3)
     docs = sup.save_uploads(session, [str(tmp_path / "mine.py")])
@@ -457,7 +457,7 @@ def served(tiny, tiny_store, tmp_path_factory):
 
     traces = tmp_path_factory.mktemp("served") / "traces.sqlite"
     demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: tiny_store,
-                          cost_factory=lambda lm, stores: None, trace_db=str(traces), preload=False, defaults=TINY)
+                          cost_factory=no_chooser, trace_db=str(traces), preload=False, defaults=TINY)
     demo.queue()
     _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
     yield demo, url, Client
@@ -566,7 +566,7 @@ def test_api_step_and_explore(served):
 
 def answers_engine(tiny, tiny_store, traces, factory) -> sup.Engine:
     engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: None,
-                        cost_factory=lambda lm, stores: None, recorder=TraceRecorder(traces), answers_factory=factory)
+                        cost_factory=no_chooser, recorder=TraceRecorder(traces), answers_factory=factory)
     assert engine.start_static(engine.model(TINY.model)).finished.wait(30)
     return engine
 
@@ -636,7 +636,7 @@ def test_the_budget_learns_per_kind_of_prompt(engine, session):
     run_turn(engine, session, replace(TINY, budget_mode="auto", max_new_tokens=8), PROMPT)
     slot = engine.model(TINY.model)
     assert [key[0] for key in slot.costs] == ["text"]  # a completion turn: the "text" chooser
-    slot.cost_factory = lambda lm, stores: CostModel(times_ms=np.array([50.0 + q for q in GRID]))
+    slot.cost_factory = lambda lm, stores, kind: CostModel(times_ms=np.array([50.0 + q for q in GRID]), kind=kind)
     slot.costs.clear()
     stores = [engine.start_static(slot).store]
     chat, text = slot.chooser(stores, kind="chat"), slot.chooser(stores, kind="text")

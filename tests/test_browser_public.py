@@ -15,7 +15,7 @@ from rest_core import app as sup
 from rest_core.app.policy import Policy
 from rest_core.model import DEFAULT_MODEL
 
-from conftest import CHROMIUM, chromium_page, free_port, make_tiny_lm, private_cache
+from conftest import CHROMIUM, chromium_page, free_port, make_tiny_lm, no_chooser, private_cache
 
 pytestmark = pytest.mark.browser
 
@@ -37,7 +37,7 @@ def page(tmp_path_factory):
         mp.setenv("GRADIO_TEMP_DIR", str(tmp_path_factory.mktemp("gradio")))
         tiny = make_tiny_lm(max_positions=512)
         demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: None,
-                              cost_factory=lambda lm, stores: None, preload=False, defaults=SETTINGS, policy=POLICY,
+                              cost_factory=no_chooser, preload=False, defaults=SETTINGS, policy=POLICY,
                               trace_db=str(tmp_path_factory.mktemp("traces") / "traces.sqlite"))
         _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
         SHOTS.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from rest_core.decode import DecodeConfig, plain_generate
 from rest_core.model import DEFAULT_MODEL, ModelLoadError
 from rest_core.traces.recorder import TraceRecorder
 
-from conftest import make_tiny_lm
+from conftest import make_tiny_lm, no_chooser
 
 pytestmark = pytest.mark.usefixtures("module_cache")
 
@@ -41,7 +41,7 @@ def public_engine(tiny, recorder=None, trace_db=None, policy=PUBLIC, loads=None)
         if loads is not None:
             loads.append(name)
         return tiny
-    return sup.Engine(lm_factory=factory, store_factory=lambda tok: None, cost_factory=lambda lm, stores: None,
+    return sup.Engine(lm_factory=factory, store_factory=lambda tok: None, cost_factory=no_chooser,
                       recorder=recorder, trace_db=trace_db, policy=policy)
 
 

@@ -25,7 +25,7 @@ from rest_core.app.policy import Policy
 from rest_core.model import DEFAULT_MODEL
 from rest_core.traces.recorder import TraceRecorder
 
-from conftest import free_port, make_tiny_lm
+from conftest import free_port, make_tiny_lm, no_chooser
 
 pytestmark = pytest.mark.usefixtures("module_cache")
 
@@ -71,7 +71,7 @@ def served(tmp_path_factory):
     tiny = make_tiny_lm(max_positions=512)
     traces = tmp_path_factory.mktemp("served") / "traces.sqlite"
     demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: None,
-                          cost_factory=lambda lm, stores: None, trace_db=str(traces), preload=False, defaults=TINY,
+                          cost_factory=no_chooser, trace_db=str(traces), preload=False, defaults=TINY,
                           policy=POLICY)
     _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
     yield demo, url, Client
@@ -241,7 +241,7 @@ from rest_core.app.policy import Policy
 tiny = make_tiny_lm(max_positions=1024)
 tiny.model.register_forward_pre_hook(lambda module, args: time.sleep(0.05))  # a slow machine: time to kill
 demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: None, preload=False,
-                      cost_factory=lambda lm, stores: None, trace_db={db!r},
+                      cost_factory=lambda lm, stores, kind: None, trace_db={db!r},
                       policy=Policy(public=True, models=("tiny",)))
 app.launch(demo, prevent_thread_lock=True, server_port={port}, quiet=True)
 print("ready", flush=True)
@@ -281,7 +281,7 @@ def test_killed_in_a_recorded_decode_the_restarted_page_works(tmp_path, capsys):
     assert all(reopened.load_step(run["id"], k)["nodes"] for k in range(committed))
     tiny = make_tiny_lm(max_positions=512)
     demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: None, preload=False,
-                          cost_factory=lambda lm, stores: None, trace_db=str(db), policy=POLICY)
+                          cost_factory=no_chooser, trace_db=str(db), policy=POLICY)
     _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
     try:
         assert httpx.get(url, timeout=60).status_code == 200

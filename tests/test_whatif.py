@@ -24,7 +24,7 @@ from rest_core.decode import DecodeConfig, plain_generate
 from rest_core.traces.exported import ExportedRun, ExportError
 from rest_core.traces.recorder import TraceRecorder
 
-from conftest import make_tiny_lm, private_cache
+from conftest import make_tiny_lm, no_chooser, private_cache
 
 pytestmark = pytest.mark.usefixtures("module_cache")
 
@@ -55,7 +55,7 @@ def store(tiny, tmp_path_factory):
 @pytest.fixture
 def engine(tiny, store, tmp_path):
     engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: store,
-                        cost_factory=lambda lm, stores: None, recorder=TraceRecorder(tmp_path / "traces.sqlite"))
+                        cost_factory=no_chooser, recorder=TraceRecorder(tmp_path / "traces.sqlite"))
     assert engine.start_static(engine.model("tiny")).finished.wait(30)
     return engine
 
@@ -160,7 +160,7 @@ def test_what_if_refuses_clearly_what_it_cannot_do(engine, session, tiny, tmp_pa
     assert "without its prompt's tokens" in again(engine, session, bare, 0, WhatIf()).summary
     # public mode: the run's model must be one the server offers
     public = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: None,
-                        cost_factory=lambda lm, stores: None, recorder=engine.recorder,
+                        cost_factory=no_chooser, recorder=engine.recorder,
                         policy=Policy(public=True, reason="test", models=("SmolLM2-135M-Instruct",)))
     refused = again(public, session, run_id, 0, WhatIf())
     assert "offers these models only" in refused.summary and refused.step is None
@@ -227,7 +227,7 @@ def test_every_tour_stop_names_a_part_of_the_page_and_the_steps_numbers(tiny, tm
     import app
 
     demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: None,
-                          cost_factory=lambda lm, stores: None, trace_db=str(tmp_path / "t.sqlite"), preload=False)
+                          cost_factory=no_chooser, trace_db=str(tmp_path / "t.sqlite"), preload=False)
     ids = {b.elem_id for b in demo.blocks.values()}
     example = example_run()
     step = example.load_step(EXAMPLE_RUN_ID, tour_step(example.load_steps(EXAMPLE_RUN_ID)))

@@ -29,7 +29,7 @@ from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, generate
 from rest_core.traces.recorder import TraceRecorder, default_db_path
 
 MAX_TOKENIZERS = 8  # tokenizers kept for replaying runs of models that are not loaded
-CostFactory = Callable[[LoadedModel, Sequence[Store]], Any]
+CostFactory = Callable[[LoadedModel, Sequence[Store], str], Any]  # (model, stores, kind of prompt) -> budget chooser
 AnswersFactory = Callable[["ModelSlot", Callable[[], None], "StoreSlot"], Any]  # (slot, pause, its StoreSlot) -> store
 STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
 MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
@@ -69,12 +69,7 @@ class ModelSlot:
         key = (kind, *store_labels(stores))
         with self._cost_lock:
             if key not in self.costs:
-                chooser = self.cost_factory(self.lm, stores)
-                if kind and isinstance(chooser, CostModel):
-                    chooser.kind = kind
-                    if chooser.stats_path is not None:
-                        chooser.load_stats()  # this kind's counts
-                self.costs[key] = chooser
+                self.costs[key] = self.cost_factory(self.lm, stores, kind)
             return self.costs[key]
 
     @property
@@ -92,8 +87,8 @@ class ModelSlot:
         return curve(1) if curve is not None else None
 
 
-def default_cost_factory(lm: LoadedModel, stores: Sequence[Store]) -> CostModel:
-    return CostModel.for_model(lm, stores=stores)
+def default_cost_factory(lm: LoadedModel, stores: Sequence[Store], kind: str) -> CostModel:
+    return CostModel.for_model(lm, stores=stores, kind=kind)
 
 
 def default_store_factory(tokenizer: Any) -> Any:
