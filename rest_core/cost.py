@@ -29,8 +29,8 @@ store, the general-text store, the request store, ...) and per kind of text bein
 decoded (`kind`: "chat" or "text", told by the caller), so a store that joins a
 new set of stores brings what was learned about it, and what a store's drafts
 earned on code prompts does not set how much it drafts in a chat (the Python
-store's drafts were accepted 26% of the time on HumanEval and 6% in chat).  The cost curve is measured
-once per process for a model, device and machine.
+store's drafts were accepted 26% of the time on HumanEval and 6% in chat).  The
+cost curve is measured once per process for a model, device and machine.
 """
 from __future__ import annotations
 
@@ -129,8 +129,7 @@ class CostModel:
 
     def conditional(self, tree: DraftTree) -> np.ndarray:
         """(n,) each draft node's calibrated chance of being accepted once its parent was."""
-        ratio, cells = _cells(tree)
-        sources = _source_array(tree)
+        ratio, cells, sources = _cells(tree)
         drafted = np.zeros(len(sources))
         accepted = np.zeros(len(sources))
         for name in set(tree.sources[1:]):
@@ -182,12 +181,11 @@ class CostModel:
         """Learn from one verified step: which nodes were accepted, and what the pass cost."""
         q = len(tree)
         if q > 1:
-            _, cells = _cells(tree)
+            _, cells, sources = _cells(tree)
             taken = np.zeros(q, dtype=bool)
             taken[[0, *accepted_nodes]] = True  # the root is always "accepted"
             seen = taken[tree.parents[1:]]  # (q-1,) the parent was accepted: this node was put to the test
             hit = taken[1:].astype(float)
-            sources = _source_array(tree)
             for name in set(tree.sources[1:]):
                 rows = (sources == name) & seen
                 if not rows.any():
@@ -245,9 +243,9 @@ class CostModel:
         return None if key.endswith("]") and " [" in key else key
 
 
-def _cells(tree: DraftTree) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _cells(tree: DraftTree) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     """Per draft node: its ratio (share of its parent's rows, or its own share under a parent of another
-    source) and its cell (depth, support, ratio bin)."""
+    source), its cell (depth, support, ratio bin) and its source name (an array, for masks)."""
     parents = tree.parents[1:]
     shares = tree.shares[1:]
     parent_share = tree.shares[parents]
@@ -256,12 +254,7 @@ def _cells(tree: DraftTree) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, n
     ratio = np.clip(np.where(same & (parent_share > 0), shares / np.maximum(parent_share, 1e-12), shares), 0.0, 1.0)
     depth = np.clip(tree.depths[1:] - 1, 0, DEPTHS - 1)
     sup = np.clip(np.digitize(tree.support[1:], SUPPORT) - 1, 0, len(SUPPORT) - 1)
-    return ratio, (depth, sup, np.clip(np.digitize(ratio, BINS) - 1, 0, len(BINS) - 2))
-
-
-def _source_array(tree: DraftTree) -> np.ndarray:
-    """(n,) the draft nodes' source names as an array, for vectorized masks."""
-    return np.asarray(tree.sources[1:])
+    return ratio, (depth, sup, np.clip(np.digitize(ratio, BINS) - 1, 0, len(BINS) - 2)), named[1:]
 
 
 def _stored_counts(data) -> dict[str, list]:

@@ -45,7 +45,6 @@ from rest_core.machine import machine_key
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; others use the nearest below
 MAX_ROWS = 64  # above this, the choice at 64 rows applies (prefill)
-SWEEP_LAYERS = 8  # layers of one shape timed in turn (more weight than the caches hold)
 ROUNDS = 9  # interleaved timing rounds per row count
 MARGIN = 0.05  # another kernel must be this much faster than the default: ties keep the default
 MARGIN_ONE_ROW = 0.15  # for one row (every step of plain decoding) only a clear win counts: a layer timed
@@ -226,7 +225,8 @@ def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS,
         calls = [(layer.shape, inputs[layer.in_features]) for layer in layers]
         best = {shape: {k: float("inf") for k in KERNELS} for shape in shapes}
         for rnd in range(rounds + 1):
-            for k in (KERNELS[rnd % 3:] + KERNELS[:rnd % 3]):
+            turn = rnd % len(KERNELS)
+            for k in KERNELS[turn:] + KERNELS[:turn]:
                 fns = [layer.kernel(KERNELS.index(k)) for layer in layers]
                 spent = dict.fromkeys(shapes, 0.0)
                 for fn, (shape, x) in zip(fns, calls):

@@ -146,9 +146,11 @@ def test_the_choice_follows_the_measured_times_per_row_count():
                 assert chosen == best_other and times[chosen] < times["default"] * (1 - margin)
     for layer in choice.layers:  # a packed copy only where some row count uses it
         assert (layer.packed is not None) == choice.uses(layer.shape, "packed")
-        assert layer.plan == (tuple(KERNELS.index(k) for k in row_table(choice.kernel[layer.shape]))
-                              if choice.kernel[layer.shape] and set(choice.kernel[layer.shape].values()) != {"default"}
-                              else ())
+        table = choice.kernel[layer.shape]
+        if set(table.values()) == {"default"}:
+            assert layer.plan == ()  # nothing to choose: the default path, no lookup per call
+        else:  # each measured row count runs the kernel chosen for it
+            assert all(layer.plan[r] == KERNELS.index(table[r]) for r in ROWS)
 
 
 def test_calibration_is_kept_per_machine_key_and_measured_again_on_a_new_one(monkeypatch, tmp_path):
