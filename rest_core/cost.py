@@ -197,15 +197,30 @@ class CostModel:
                 full = c[0] > MAX_COUNT
                 if full.any():  # older observations fade so the calibration keeps adapting
                     c *= np.where(full, MAX_COUNT / np.maximum(c[0], 1.0), 1.0)
-        i = int(np.argmin(np.abs(np.array(self.grid) - q)))
-        if self.grid[i] == q:  # refresh the curve with real step timings (median of the last few)
-            recent = self._recent.setdefault(q, deque(maxlen=9))
-            recent.append(forward_ms)
+        self._refresh_curve(q, forward_ms)
+
+    def _refresh_curve(self, q: int, forward_ms: float) -> None:
+        """Refresh the curve with a real step's timing (median of the last few per grid size).
+
+        A pass over q tokens between two grid sizes informs both: scaled by the curve's own shape, it says
+        what each of them costs now.  (Most budgets the choice makes -- 8, 10, 12, 16 drafts -- give passes
+        of 9, 11, 13, 17 tokens, off the grid: refreshing only at grid sizes left the calibration's cost of
+        large trees in place while small ones took their real, higher cost, so large trees looked cheap.)"""
+        grid = self.grid
+        if not grid[0] <= q <= grid[-1]:
+            return
+        j = int(np.searchsorted(grid, q, side="right")) - 1  # grid[j] <= q
+        predicted = self.forward_ms(q)
+        for i in ([j] if grid[j] == q else [j, j + 1]):
+            implied = forward_ms * self.times_ms[i] / predicted if predicted > 0 else forward_ms
+            recent = self._recent.setdefault(grid[i], deque(maxlen=9))
+            recent.append(implied)
             if len(recent) >= 5:
                 self.times_ms[i] = float(np.median(recent))
                 # fewer tokens never cost more: a real pass over q tokens caps every smaller size, so a
                 # calibration spoiled by a burst of load at q = 1 cannot keep the budget at its largest
                 self.times_ms[:i] = np.minimum(self.times_ms[:i], self.times_ms[i])
+                self.times_ms[i + 1:] = np.maximum(self.times_ms[i + 1:], self.times_ms[i])  # nor more, less
 
     def save_stats(self) -> None:
         """Keep the acceptance counts for the next run, per store (they depend on model and store, not on

@@ -30,7 +30,7 @@ from rest_core.commit import compact_cache
 from rest_core.model import LoadedModel
 from rest_core.phases import PHASES, PhaseTimer
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
-from rest_core.sampling import Sampling, draw_token, next_token_probs
+from rest_core.sampling import Sampling, draw_token, greedy_choices, next_token_probs, top_successors
 from rest_core.trace import Branch, StepHook, StepTrace
 from rest_core.tree import DraftTree, build_draft_tree, root_only
 from rest_core.verify import Verdict, tree_forward, verify
@@ -167,7 +167,7 @@ def plain_generate(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig = D
         ids = torch.tensor([[last]], device=lm.device)
         logits = lm.forward(input_ids=ids, cache=cache).logits[0, -1]  # (V,)
         if cfg.sampling.greedy:
-            last = int(logits.argmax())
+            last = greedy_choices(logits[None])[0]
         else:
             last = draw_token(next_token_probs(logits, cfg.sampling), gen)
         out.append(last)
@@ -286,7 +286,7 @@ def _teach(stores: Sequence[Store], tree: DraftTree, logits: torch.Tensor) -> No
     want = max((s.successors_k for s in stores), default=0)
     if want <= 0:
         return
-    top = logits.topk(min(want, logits.shape[-1]), dim=-1).indices.cpu().numpy()  # (q, k)
+    top = top_successors(logits, want)  # (q, k)
     for store in stores:
         if store.successors_k > 0:
             store.observe(tree.tokens, top[:, :store.successors_k])

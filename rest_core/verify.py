@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from rest_core.sampling import Sampling, draw_uniform, next_token_probs, token_at
+from rest_core.sampling import Sampling, draw_uniform, greedy_choices, next_token_probs, token_at
 from rest_core.tree import DraftTree, tree_mask, tree_positions
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def tree_forward(lm: LoadedModel, tree: DraftTree, prefix_len: int,
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """logits: (q, V) for the q tree nodes."""
-    choices = logits.argmax(dim=-1).tolist()
+    choices = greedy_choices(logits)
     path = [0]
     node = 0
     while (child := tree.children[node].get(choices[node])) is not None:
@@ -67,7 +67,7 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
 
 def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: Sampling, gen: torch.Generator,
                     choices: Optional[list[int]] = None) -> Verdict:
-    choices = choices if choices is not None else logits.argmax(dim=-1).tolist()
+    choices = choices if choices is not None else greedy_choices(logits)
     path = [0]
     node = 0
     draws = {}

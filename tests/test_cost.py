@@ -94,7 +94,7 @@ def test_acceptance_is_learned_per_source_and_kept_between_runs(tmp_path):
     assert model.choose(static_tree) == 0
     assert model.choose(request_tree) >= 3
     model.save_stats()
-    again = CostModel(times_ms=curve(50.0, 4.0), stats_path=tmp_path / "acc.json")
+    again = CostModel(times_ms=model.times_ms.copy(), stats_path=tmp_path / "acc.json")  # the curve as refreshed
     again.load_stats()
     assert again.choose(static_tree) == 0 and again.choose(request_tree) == model.choose(request_tree)
     assert set(again.counts) == set(model.counts) == {"static", "request"}
@@ -229,8 +229,8 @@ def test_draft_depth_follows_how_often_a_pattern_was_continued_that_way():
     lone = build_draft_tree(1, [OracleLookup("request", 2, 1, np.array([deep + 100]))], budget=63)
     assert agreed.draft_size == lone.draft_size == 20
     for _ in range(60):
-        model.observe(agreed, list(range(21)), forward_ms=52.0)  # the whole branch accepted
-        model.observe(lone, [0, 1], forward_ms=52.0)  # the first token only
+        model.observe(agreed, list(range(21)), forward_ms=60.0)  # the whole branch accepted (at the curve's cost)
+        model.observe(lone, [0, 1], forward_ms=60.0)  # the first token only
     assert model.choose(agreed) >= 16
     assert model.choose(lone) <= 2
 
@@ -264,3 +264,27 @@ def test_acceptance_is_kept_per_kind_of_text(tiny_lm, tmp_path, monkeypatch):
     assert CostModel.for_model(tiny_lm, stores).counts == {}  # untold: neither kind's
     assert set(json.loads(text.stats_path.read_text())["stores"]) == {"static:/a [text]", "static:/a [chat]"}
     cost._CURVES.clear()
+
+
+def test_real_passes_off_the_grid_refresh_the_sizes_around_them():
+    """Budgets of 8, 10, 12 drafts make passes of 9, 11, 13 tokens, which are not grid sizes: their real cost
+    still reaches the curve (both neighbouring sizes, scaled by the curve's shape), so a calibration that
+    made large trees look cheap is corrected by the steps that run them."""
+    model = CostModel(times_ms=curve(50.0, 1.0))  # q = 9 predicted at 58 ms
+    rows = np.array([[11, 12, 13, 14, 15, 16, 17, 18, 19]] * 10)
+    tree = build_draft_tree(1, [OracleLookup("static", 4, 10, rows)], budget=8)
+    q = len(tree)
+    assert q == 9 and q not in GRID
+    before = model.forward_ms(q)
+    for _ in range(4):
+        model.observe(tree, [0], forward_ms=87.0)
+    assert model.forward_ms(q) == before  # a few passes are not enough: the median of at least five
+    model.observe(tree, [0], forward_ms=87.0)
+    assert abs(model.forward_ms(q) - 87.0) < 0.5  # now the curve says what the real passes cost
+    lo, hi = GRID.index(8), GRID.index(12)
+    assert model.times_ms[lo] > 57.0 + 20 and model.times_ms[hi] > 61.0 + 20
+    assert model.forward_ms(1) == 50.0 and np.all(np.diff(model.times_ms) >= 0)
+    for _ in range(5):  # passes beyond the grid change nothing
+        model.observe(build_draft_tree(1, [OracleLookup("static", 4, 10, np.arange(80)[None] + 100)], budget=80),
+                      [0], forward_ms=1000.0)
+    assert model.times_ms[-1] == 50.0 + 63.0

@@ -1,0 +1,52 @@
+"""The model's choices read fast from logits: the argmax of every row and each row's top-k, the same as torch's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rest_core.sampling import TOPK_BLOCK, greedy_choices, top_successors
+
+
+@pytest.mark.parametrize("vocab", [49152, 49157, 1000, 40])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_argmax_and_top_k_equal_torchs(vocab, rows):
+    gen = torch.Generator().manual_seed(vocab + rows)
+    with torch.inference_mode():  # as the decoder calls them
+        logits = torch.randn(rows, vocab, generator=gen) * 4
+        assert greedy_choices(logits) == logits.argmax(dim=-1).tolist()
+        for k in (1, 5, 8):
+            got = top_successors(logits, k)
+            assert got.dtype == np.int64 and got.shape == (rows, min(k, vocab))
+            assert (got == logits.topk(k, dim=-1).indices.numpy()).all()
+
+
+def test_ties_pick_the_first_largest_and_the_top_values_stay_exact():
+    logits = torch.zeros(3, 49152)
+    logits[0, 700] = logits[0, 9] = 5.0  # two equal maxima: the first one, as torch.argmax and generate()
+    logits[1, 49151] = 1.0  # the largest in the very last column
+    logits[2, :] = -1.0  # a row of equal values
+    assert greedy_choices(logits) == [9, 49151, 0] == logits.argmax(dim=-1).tolist()
+    got = top_successors(logits, 4)
+    want = logits.topk(4, dim=-1).values
+    assert torch.equal(logits.gather(1, torch.from_numpy(got)), want)  # the same values, largest first
+    assert set(got[0, :2]) == {9, 700}
+
+
+def test_the_largest_logits_in_one_block_are_all_found():
+    """Every one of the top k may sit in the same block, and the rest of the row in the tail past the last
+    whole block: the block maxima must not lose any of them."""
+    vocab = 50 * TOPK_BLOCK + 7
+    logits = torch.randn(2, vocab) * 0.1
+    logits[0, 3 * TOPK_BLOCK: 3 * TOPK_BLOCK + 8] = torch.arange(10.0, 18.0)  # the top 8 all in block 3
+    logits[1, -7:] = torch.arange(20.0, 27.0)  # seven of the top 8 in the tail
+    got = top_successors(logits, 8)
+    assert (got == logits.topk(8, dim=-1).indices.numpy()).all()
+
+
+def test_other_dtypes_and_devices_fall_back_to_torch():
+    logits = torch.randn(2, 5000, dtype=torch.float64)
+    assert greedy_choices(logits) == logits.argmax(dim=-1).tolist()
+    assert (top_successors(logits, 3) == logits.topk(3, dim=-1).indices.numpy()).all()
+    half = torch.randn(2, 5000).to(torch.bfloat16)
+    assert greedy_choices(half) == half.argmax(dim=-1).tolist()
