@@ -52,9 +52,9 @@ class Sampling:
 def greedy_choices(logits: torch.Tensor) -> list[int]:
     """(q, V) logits -> the argmax of every row: the first largest logit, as torch.argmax and generate() pick it.
 
-    On the CPU, numpy's argmax gives the same index (first occurrence of the maximum, NaN counting as the
-    largest) about ten times faster than torch's for one row of a 49k vocabulary (0.07 vs 0.7 ms for 12 rows
-    on a 2-vCPU AMD EPYC): it is on the critical path of every step of plain and REST decoding alike."""
+    On the CPU, numpy's argmax gives the same index (the first occurrence of the maximum) about ten times
+    faster than torch's over a 49k vocabulary (on a 2-vCPU AMD EPYC: 0.07 vs 0.74 ms for 12 rows, 0.01 vs
+    0.13 ms for one): it is on the critical path of every step of plain and REST decoding alike."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
         return logits.argmax(dim=-1).tolist()
     return logits.detach().numpy().argmax(axis=-1).tolist()
