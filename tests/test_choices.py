@@ -44,7 +44,7 @@ def test_the_largest_logits_in_one_block_are_all_found():
     assert (got == logits.topk(8, dim=-1).indices.numpy()).all()
 
 
-def test_other_dtypes_and_devices_fall_back_to_torch():
+def test_other_dtypes_give_torchs_choices():
     logits = torch.randn(2, 5000, dtype=torch.float64)
     assert greedy_choices(logits) == logits.argmax(dim=-1).tolist()
     assert (top_successors(logits, 3) == logits.topk(3, dim=-1).indices.numpy()).all()
