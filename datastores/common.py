@@ -94,7 +94,8 @@ class Store(Protocol):
     every store where a request stands: ``begin`` with the prompt, ``extend`` with
     each step's committed tokens, ``end`` with the whole answer.  A store that learns
     from the model itself sets ``successors_k`` > 0 and gets, after every forward pass,
-    each tree node's token with the model's top ``successors_k`` next tokens (`observe`).
+    each tree node's token with the model's top ``successors_k`` next tokens and the token before
+    it (`observe`).
     A store that does not change while decoding inherits the no-op versions from `StoreBase`.
     """
 
@@ -110,7 +111,7 @@ class Store(Protocol):
 
     def end(self, answer: Sequence[int], remember: bool) -> None: ...
 
-    def observe(self, tokens: np.ndarray, successors: np.ndarray) -> None: ...
+    def observe(self, tokens: np.ndarray, successors: np.ndarray, previous: np.ndarray | None = None) -> None: ...
 
     @property
     def label(self) -> str: ...
@@ -131,9 +132,9 @@ class StoreBase:
     def end(self, answer: Sequence[int], remember: bool) -> None:
         """The request finished with this answer; `remember` asks stores that learn to keep it."""
 
-    def observe(self, tokens: np.ndarray, successors: np.ndarray) -> None:
+    def observe(self, tokens: np.ndarray, successors: np.ndarray, previous: np.ndarray | None = None) -> None:
         """tokens (q,): a forward pass's tree nodes; successors (q, successors_k): the model's top
-        next tokens after each, best first."""
+        next tokens after each, best first; previous (q,): the token before each node (-1: unknown)."""
 
     @property
     def label(self) -> str:

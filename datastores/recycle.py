@@ -1,19 +1,29 @@
 """The model's own predictions as a draft source ("model"): recycled tokens.
 
 Every verify pass computes the model's next-token distribution at every tree node.  This
-store keeps, for each token id, the top-k tokens the model predicted after it the last
-time that token was a tree node (an adjacency table of vocab x k ids, under 2 MB for a
-50k vocabulary at k = 8), and drafts from it where nothing else can: from the newest
-token, a tree of likely continuations, wide near the root and narrow further down.
+store keeps the top-k tokens the model predicted there, twice over: per token id (an
+adjacency table of vocab x k ids, under 2 MB for a 50k vocabulary at k = 8), and per pair
+of tokens -- the node and the token before it -- in a fixed-size hashed table where a newer
+pair takes an older one's slot.  It drafts from them where nothing else can: from the
+newest token, a tree of likely continuations, wide near the root and narrow further down,
+each node's successors taken after the same two tokens when that pair was seen, else after
+the same token.
+
+The pair is worth the extra table: replaying the model's greedy answers to 40 of the
+general-text store's requests (each table learning from the answers before it), the rank-0
+successor recorded after the same pair was the model's next token 53% of the time, the one
+recorded after the token alone (in another context) 15%.  The two kinds of node therefore
+carry their own prior chances (PAIR_PRIOR, TOKEN_PRIOR), so a confident chain is drafted deep
+and a doubtful guess stays short, and the cost model, which learns acceptance per (depth,
+support, ratio) cell, tells them apart from the start.
 
 It needs no corpus and adapts to the conversation at hand: what the model said a moment
-ago about a token is what it is likely to say again.  Verification is unchanged, so
+ago after these tokens is what it is likely to say again.  Verification is unchanged, so
 greedy output stays identical and sampling exact; the cost model learns how often this
 source's drafts are accepted, like any other source's.
 
-Paths are returned as continuation rows, each repeated in proportion to a prior chance
-of its ranks being right (rank 0 likelier than rank 1, ...), so the draft tree's prefix
-counts order the nodes by that chance.
+Paths are returned as continuation rows, each repeated in proportion to its prior chance,
+so the draft tree's prefix counts order the nodes by that chance.
 """
 from __future__ import annotations
 
@@ -35,16 +45,24 @@ from datastores.common import (
 )
 
 BRANCHING = (4, 3, 2, 2, 1, 1, 1, 1, 1, 1)  # children per node at each depth of the drafted tree
-RANK_PRIOR = (0.55, 0.18, 0.08, 0.05, 0.03, 0.02, 0.015, 0.01)  # prior chance the rank-r successor is next
+# prior chance that the rank-r successor recorded after the same two tokens is the model's next token, and
+# of one recorded after the same token only (another context); both fitted to the model's own answers to the
+# general-text store's requests (datastores/answer_prompts.py), not to the benchmark's prompts
+PAIR_PRIOR = (0.53, 0.08, 0.04, 0.026, 0.02, 0.014, 0.012, 0.012)
+TOKEN_PRIOR = (0.15, 0.08, 0.048, 0.034, 0.022, 0.02, 0.018, 0.016)
+PAIR_SLOTS = 1 << 16  # pairs kept (2.4 MB at k = 8); a newer pair hashed to a taken slot replaces the older
+_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: a pair's slot is the top bits of key * golden ratio * 2^64
+_SHIFT = 64 - (PAIR_SLOTS.bit_length() - 1)
+FORMAT_VERSION = 2  # 1: the per-token table only
 ROW_SCALE = 100  # rows per unit of chance (integer counts keep ties exact); a path below 1/200 is not drafted
 # (a finer scale only multiplies the rows the draft tree merges: 1000 gave ~850 rows every step)
 
 
 class RecycleStore(StoreBase):
-    """Top-k successors per token id, refreshed from every verify pass's logits.
+    """Top-k successors per token id and per pair of tokens, refreshed from every verify pass's logits.
 
     ``successors_k`` tells the decoder how many of each node's top predictions to hand to
-    `observe`.  ``path`` (optional) persists the table; the owner calls `save`.
+    `observe`.  ``path`` (optional) persists the tables; the owner calls `save`.
     """
 
     source = "model"
@@ -57,6 +75,9 @@ class RecycleStore(StoreBase):
         self.branching = tuple(int(b) for b in branching)
         self.path = Path(path) if path is not None else None
         self.table = np.full((self.vocab_size, self.successors_k), -1, dtype=np.int32)  # (V, k), -1 = unknown
+        # per pair (previous token, token): key previous * V + token in its hashed slot (-1 = empty), successors
+        self.pair_keys = np.full(PAIR_SLOTS, -1, dtype=np.int64)  # (S,)
+        self.pair_table = np.full((PAIR_SLOTS, self.successors_k), -1, dtype=np.int32)  # (S, k)
         if self.path is not None and self.path.exists():
             self.load()
 
@@ -69,20 +90,49 @@ class RecycleStore(StoreBase):
         """Token ids whose successors have been seen."""
         return int((self.table[:, 0] >= 0).sum())
 
-    def observe(self, tokens: np.ndarray, successors: np.ndarray) -> None:
-        """tokens: (q,) tree node ids; successors: (q, >=k) the model's top predictions after each, best first."""
+    @property
+    def known_pairs(self) -> int:
+        """Pairs of tokens whose successors are kept."""
+        return int((self.pair_keys >= 0).sum())
+
+    def observe(self, tokens: np.ndarray, successors: np.ndarray, previous: np.ndarray | None = None) -> None:
+        """tokens: (q,) tree node ids; successors: (q, >=k) the model's top predictions after each, best first;
+        previous: (q,) the token before each node (its parent's; -1 where unknown), for the pair table."""
         tokens = np.asarray(tokens, dtype=np.int64)
+        succ = np.asarray(successors)[:, :self.successors_k]
         ok = (tokens >= 0) & (tokens < self.vocab_size)
-        self.table[tokens[ok]] = np.asarray(successors)[ok, :self.successors_k]
+        self.table[tokens[ok]] = succ[ok]
+        if previous is None:
+            return
+        prev = np.asarray(previous, dtype=np.int64)
+        both = ok & (prev >= 0) & (prev < self.vocab_size)
+        keys = prev[both] * self.vocab_size + tokens[both]
+        slots = _slots(keys)
+        self.pair_keys[slots] = keys  # a repeated slot takes the last of both, consistently
+        self.pair_table[slots] = succ[both]
+
+    def successors(self, previous: int, token: int) -> tuple[np.ndarray, bool]:
+        """(k,) the successors kept after this pair when it was seen (True), else after the token (False)."""
+        if 0 <= previous < self.vocab_size:
+            key = previous * self.vocab_size + token
+            slot = ((key * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> _SHIFT  # as _slots, without arrays
+            if self.pair_keys[slot] == key:
+                return self.pair_table[slot], True
+        return self.table[token], False
 
     def lookup(self, context: Any, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
                continuation_len: int = 10) -> Lookup:
-        """Paths of the tree grown from the newest token (matched_len 1: one token looked up)."""
+        """Paths of the tree grown from the newest token (matched_len 2: the newest two tokens were seen as a
+        pair; 1: only the newest token was)."""
         check_lookup_args(n_max, n_min, max_matches, continuation_len)
-        last = query_tail(context, 1)
-        if last.size == 0 or not 0 <= int(last[0]) < self.vocab_size or self.table[int(last[0]), 0] < 0:
+        tail = query_tail(context, 2)
+        if tail.size == 0 or not 0 <= int(tail[-1]) < self.vocab_size:
             return empty_lookup(self.source, continuation_len)
-        paths, masses = self._grow(int(last[0]), continuation_len)
+        previous, last = (int(tail[0]) if tail.size == 2 else -1), int(tail[-1])
+        row, paired = self.successors(previous, last)
+        if row[0] < 0:
+            return empty_lookup(self.source, continuation_len)
+        paths, masses = self._grow(previous, last, continuation_len)
         counts = np.round(np.array(masses) * ROW_SCALE).astype(np.int64)  # (paths,)
         keep = counts > 0
         if not keep.any():
@@ -91,58 +141,76 @@ class RecycleStore(StoreBase):
         for i, p in enumerate(paths):
             rows[i, :len(p)] = p
         rows = np.repeat(rows[keep], counts[keep], axis=0)[:max_matches]
-        return Lookup(self.source, 1, int(rows.shape[0]), rows)
+        return Lookup(self.source, 2 if paired else 1, int(rows.shape[0]), rows)
 
-    def _grow(self, root: int, depth: int) -> tuple[list[tuple[int, ...]], list[float]]:
+    def _grow(self, previous: int, root: int, depth: int) -> tuple[list[tuple[int, ...]], list[float]]:
         """Every drafted path with the share of the prior chance that ends there.
 
-        A node's chance is its parent's times RANK_PRIOR of its rank; what its children do not
-        take ends at the node.  A path's rows then add up, over every prefix, to the prefix's
-        chance: the draft tree scores each node by the chance of reaching it."""
+        A node's chance is its parent's times the prior of its rank (PAIR_PRIOR when its successors were
+        recorded after the same two tokens, TOKEN_PRIOR after the same token only); what its children do
+        not take ends at the node.  A path's rows then add up, over every prefix, to the prefix's chance:
+        the draft tree scores each node by the chance of reaching it."""
         paths: list[tuple[int, ...]] = []
         ends: list[float] = []
-        frontier: list[tuple[tuple[int, ...], int, float]] = [((), root, 1.0)]
+        frontier: list[tuple[tuple[int, ...], int, int, float]] = [((), previous, root, 1.0)]
         for d in range(depth):
             width = self.branching[d] if d < len(self.branching) else 1
             grown = []
-            for path, tok, chance in frontier:
-                succ = [int(t) for t in self.table[tok, :width] if t >= 0]
-                children = [(path + (t,), t, chance * RANK_PRIOR[min(r, len(RANK_PRIOR) - 1)])
+            for path, before, tok, chance in frontier:
+                row, paired = self.successors(before, tok)
+                prior = PAIR_PRIOR if paired else TOKEN_PRIOR
+                succ = [int(t) for t in row[:width] if t >= 0]
+                children = [(path + (t,), tok, t, chance * prior[min(r, len(prior) - 1)])
                             for r, t in enumerate(succ)]
                 if path:
                     paths.append(path)
-                    ends.append(chance - sum(c for _, _, c in children))
-                grown.extend(c for c in children if c[2] * ROW_SCALE >= 0.5)  # too unlikely to draft
+                    ends.append(chance - sum(c[3] for c in children))
+                grown.extend(c for c in children if c[3] * ROW_SCALE >= 0.5)  # too unlikely to draft
             frontier = grown
-        for path, _, chance in frontier:
+        for path, _, _, chance in frontier:
             paths.append(path)
             ends.append(chance)
         return paths, ends
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path | None = None) -> None:
-        """Write the table atomically (temp file + rename) to path or self.path."""
+        """Write the tables atomically (temp file + rename) to path or self.path."""
         path = Path(path) if path is not None else self.path
         if path is None:
             raise DatastoreError("RecycleStore has no path to save to; pass path= here or to the constructor")
         buf = io.BytesIO()
-        np.savez(buf, format=np.array("rest-lab-recycle"), version=np.array(1), table=self.table)
+        np.savez(buf, format=np.array("rest-lab-recycle"), version=np.array(FORMAT_VERSION), table=self.table,
+                 pair_keys=self.pair_keys, pair_table=self.pair_table)
         try:
             write_atomic(path, buf.getvalue())
         except OSError as exc:
             raise DatastoreError(f"cannot save the model's successor table to {path}: {exc}") from None
 
     def load(self, path: str | Path | None = None) -> None:
-        """Replace the table with the one saved at path (or self.path); a table of another shape is refused."""
+        """Replace the tables with those saved at path (or self.path); tables of another shape are refused.
+        A file of the first format (the per-token table only) loads with an empty pair table."""
         path = Path(path) if path is not None else self.path
+        pair_keys, pair_table = np.full_like(self.pair_keys, -1), np.full_like(self.pair_table, -1)
         try:
             with np.load(path, allow_pickle=False) as z:
                 if str(z["format"]) != "rest-lab-recycle":
                     raise ValueError("not a rest-lab successor table")
                 table = z["table"]
+                if int(z["version"]) >= 2:
+                    pair_keys, pair_table = z["pair_keys"], z["pair_table"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DatastoreError(f"successor table {path} is unreadable ({exc}); delete it to start afresh") from None
         if table.shape != self.table.shape or table.dtype != self.table.dtype:
             raise DatastoreError(f"successor table {path} has shape {table.shape}, this model needs "
                                  f"{self.table.shape}; delete it to start afresh")
+        if pair_keys.shape != self.pair_keys.shape or pair_table.shape != self.pair_table.shape \
+                or pair_keys.dtype != self.pair_keys.dtype or pair_table.dtype != self.pair_table.dtype:
+            raise DatastoreError(f"successor table {path} has a pair table of shape {pair_table.shape}, this model "
+                                 f"needs {self.pair_table.shape}; delete it to start afresh")
         self.table = table.copy()
+        self.pair_keys, self.pair_table = pair_keys.copy(), pair_table.copy()
+
+
+def _slots(keys: np.ndarray) -> np.ndarray:
+    """(n,) the pair table's slot of each key (previous * V + token, >= 0)."""
+    return ((keys.astype(np.uint64) * np.uint64(_GOLDEN)) >> np.uint64(_SHIFT)).astype(np.int64)

@@ -64,7 +64,7 @@ SHAPE = (2, DEPTHS, len(SUPPORT), len(BINS) - 1)  # drafted / accepted counts pe
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior in each cell: learning wins soon
 PRIOR_SCALE = 0.4  # the prior: this fraction of the ratio
 MAX_COUNT = 5000.0  # per cell: older observations fade so the calibration keeps adapting
-STATS_VERSION = 2
+STATS_VERSION = 3  # 3: the model source drafts from pairs of tokens too (its cells mean other things)
 
 
 @dataclass

@@ -270,7 +270,7 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
     with timer("verify"):
         verdict = verify(tree, logits, cfg.sampling, gen)
     with timer("commit"):
-        _teach(stores, tree, logits)
+        _teach(stores, tree, logits, context[-2] if len(context) > 1 else -1)
         compact_cache(cache, prefix_len, verdict.accepted_nodes)
         proposed = [int(tree.tokens[n]) for n in verdict.accepted_nodes[1:]] + [verdict.bonus_token]
         new, stop = _cut(proposed, room, lm.eos_token_ids, cfg.stop_at_eos)
@@ -281,15 +281,18 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
                 cfg.sampling)
 
 
-def _teach(stores: Sequence[Store], tree: DraftTree, logits: torch.Tensor) -> None:
-    """Hand every node's top predictions to the stores that learn from the model."""
+def _teach(stores: Sequence[Store], tree: DraftTree, logits: torch.Tensor, before_root: int) -> None:
+    """Hand every node's top predictions, and the token before each node (its parent's; `before_root` for
+    the root), to the stores that learn from the model."""
     want = max((s.successors_k for s in stores), default=0)
     if want <= 0:
         return
     top = top_successors(logits, want)  # (q, k)
+    previous = tree.tokens[np.maximum(tree.parents, 0)]
+    previous[0] = before_root
     for store in stores:
         if store.successors_k > 0:
-            store.observe(tree.tokens, top[:, :store.successors_k])
+            store.observe(tree.tokens, top[:, :store.successors_k], previous)
 
 
 class RestDecoder:

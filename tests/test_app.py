@@ -277,8 +277,9 @@ def test_model_source_drafts_and_greedy_output_stays_plain(engine, session, tiny
     assert accepted, "the second turn repeats the first: its recycled drafts are accepted"
     assert f'class="tok model" style="background:{figures.ORIGIN_STYLES["model"][0]}' in final.chat[-1]["content"]
     text = sup.step_view(rec, run, accepted[0]["step"])["explanation"]
-    assert "the model's own earlier prediction after the same token (recycled)" in text
-    assert "model's own earlier predictions after the last token (recycled) offered" in text
+    assert "the model's own earlier prediction after the same tokens (recycled)" in text
+    assert accepted[0]["matched_len"]["model"] == 2, "the repeated turn's tokens were seen as pairs before"
+    assert "model's own earlier predictions after the last two tokens (recycled) offered" in text
     assert recycle_files() == [], "a visitor's table is never written"
 
 

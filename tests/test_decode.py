@@ -315,7 +315,10 @@ def test_the_models_own_predictions_draft_and_greedy_stays_exact(tiny_lm):
     for prompt in ([5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8]):
         res = dec.generate(prompt, cfg, hook=traces.append)
         assert res.tokens == plain_generate(tiny_lm, prompt, cfg).tokens
-    assert recycled.known > 0
+    assert recycled.known > 0 and recycled.known_pairs > 0
+    row, paired = recycled.successors(7, 8)  # the first root, 8, came after 7: learned as a pair
+    assert paired and row[0] == plain_generate(tiny_lm, [5, 6, 7, 8], cfg).tokens[0]
+    assert 2 in {t.matched_len["model"] for t in traces}  # drafted after pairs it had seen
     assert {"model"} == {s for t in traces for s in t.tree_sources[1:]}
     assert res.accepted_by_source.get("model", 0) > 0  # the repeated prompt is drafted from what was learned
     assert res.drafted_by_source["model"] >= res.accepted_by_source["model"]

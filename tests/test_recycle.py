@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from datastores import DatastoreError, RecycleStore, open_recycle
-from datastores.recycle import RANK_PRIOR, ROW_SCALE
+from datastores.recycle import PAIR_PRIOR, PAIR_SLOTS, ROW_SCALE, TOKEN_PRIOR
 from rest_core.tree import build_draft_tree
 
 
@@ -26,8 +26,23 @@ def test_observe_keeps_the_latest_top_successors_per_token():
 
 def test_lookup_drafts_a_tree_scored_by_the_chance_of_reaching_each_node():
     lk = trained().lookup([1, 2, 5], continuation_len=4)
-    assert lk.source == "model" and lk.matched_len == 1
-    tree = build_draft_tree(5, [lk], budget=64)
+    assert lk.source == "model" and lk.matched_len == 1  # no pair seen: the token's own successors
+    by_path = shares_by_path(build_draft_tree(5, [lk], budget=64))
+    # shares are the prior chance of reaching each node, relative to all drafted paths:
+    # rank 0 after 5 is 7, rank 0 after 7 is 8, rank 0 after 8 is 30
+    tol = 3 / ROW_SCALE
+    assert by_path[(9,)] / by_path[(7,)] == pytest.approx(TOKEN_PRIOR[1] / TOKEN_PRIOR[0], abs=tol)
+    assert by_path[(7, 8)] / by_path[(7,)] == pytest.approx(TOKEN_PRIOR[0], abs=tol)
+    assert by_path[(7, 20)] / by_path[(7,)] == pytest.approx(TOKEN_PRIOR[1], abs=tol)
+    assert by_path[(7, 8)] < by_path[(7,)]
+    assert TOKEN_PRIOR[0] ** 3 * ROW_SCALE < 0.5 and (7, 8, 30) not in by_path  # three lone-token guesses: too unlikely
+    assert {(7,), (9,), (11,), (13,)} <= set(by_path)  # four children at the first depth (BRANCHING[0])
+    assert (9, 1) not in by_path  # nothing is known after 9
+    assert trained().lookup([1, 2, 6]).matched_len == 0  # nothing known after 6: no draft
+
+
+def shares_by_path(tree) -> dict[tuple[int, ...], float]:
+    """Each node's share, keyed by the tokens from the root to it."""
     by_path = {}
     for node in range(1, len(tree)):
         path, n = [], node
@@ -35,24 +50,76 @@ def test_lookup_drafts_a_tree_scored_by_the_chance_of_reaching_each_node():
             path.append(int(tree.tokens[n]))
             n = int(tree.parents[n])
         by_path[tuple(reversed(path))] = tree.shares[node]
-    # shares are the prior chance of reaching each node, relative to all drafted paths:
-    # rank 0 after 5 is 7, rank 0 after 7 is 8, rank 0 after 8 is 30
+    return by_path
+
+
+def test_successors_are_kept_per_pair_and_the_pair_wins_over_the_token():
+    store = RecycleStore(vocab_size=50, k=4)
+    # token 5 seen after 2 (model predicted 7 ...) and later after 3 (model predicted 40 ...)
+    store.observe(np.array([5, 7]), np.array([[7, 9, 11, 13], [8, 20, 21, 22]]), previous=np.array([2, 5]))
+    store.observe(np.array([5]), np.array([[40, 41, 42, 43]]), previous=np.array([3]))
+    assert store.known == 2 and store.known_pairs == 3
+    row, paired = store.successors(2, 5)
+    assert paired and row.tolist() == [7, 9, 11, 13]  # after the same two tokens: what was said then
+    row, paired = store.successors(3, 5)
+    assert paired and row.tolist() == [40, 41, 42, 43]
+    row, paired = store.successors(4, 5)  # an unseen pair: the token's latest successors
+    assert not paired and row.tolist() == [40, 41, 42, 43]
+    assert not store.successors(-1, 5)[1]
+    store.observe(np.array([6]), np.array([[1, 2, 3, 4]]), previous=np.array([-1]))  # no token before: token only
+    assert store.known == 3 and store.known_pairs == 3
+
+    lk = store.lookup([1, 2, 5], continuation_len=4)
+    assert lk.matched_len == 2  # the newest two tokens were seen as a pair
+    by_path = shares_by_path(build_draft_tree(5, [lk], budget=64))
     tol = 3 / ROW_SCALE
-    assert by_path[(9,)] / by_path[(7,)] == pytest.approx(RANK_PRIOR[1] / RANK_PRIOR[0], abs=tol)
-    assert by_path[(7, 8)] / by_path[(7,)] == pytest.approx(RANK_PRIOR[0], abs=tol)
-    assert by_path[(7, 20)] / by_path[(7,)] == pytest.approx(RANK_PRIOR[1], abs=tol)
-    assert by_path[(7, 8, 30)] < by_path[(7, 8)] < by_path[(7,)]
-    assert {(7,), (9,), (11,), (13,)} <= set(by_path)  # four children at the first depth (BRANCHING[0])
-    assert (9, 1) not in by_path  # nothing is known after 9
-    assert trained().lookup([1, 2, 6]).matched_len == 0  # nothing known after 6: no draft
+    assert (7,) in by_path and (40,) not in by_path
+    assert by_path[(9,)] / by_path[(7,)] == pytest.approx(PAIR_PRIOR[1] / PAIR_PRIOR[0], abs=tol)
+    assert by_path[(7, 8)] / by_path[(7,)] == pytest.approx(PAIR_PRIOR[0], abs=tol)  # (5, 7) seen as a pair too
+    assert store.lookup([1, 4, 5], continuation_len=4).matched_len == 1
+    assert (40,) in shares_by_path(build_draft_tree(5, [store.lookup([1, 4, 5], continuation_len=4)], budget=64))
+
+
+def test_a_chain_seen_in_context_is_drafted_deeper_than_one_seen_token_by_token():
+    """The same successors, recorded once with the tokens before them and once without: the chain known pair
+    by pair runs deep, the one known token by token stays short (its chance falls faster)."""
+    chain = np.arange(10, 30)
+    successors = np.stack([chain + 1, chain + 100, chain + 200, chain + 300], axis=1) % 500
+    in_context, token_only = RecycleStore(500, k=4), RecycleStore(500, k=4)
+    in_context.observe(chain, successors, previous=np.concatenate([[9], chain[:-1]]))
+    token_only.observe(chain, successors)
+    deep = build_draft_tree(10, [in_context.lookup([9, 10], continuation_len=16)], budget=64)
+    shallow = build_draft_tree(10, [token_only.lookup([9, 10], continuation_len=16)], budget=64)
+    assert deep.depths.max() >= 6 > shallow.depths.max()
+    assert deep.tokens[deep.depths == 1].tolist()[0] == 11 == shallow.tokens[shallow.depths == 1].tolist()[0]
+
+
+def test_colliding_pairs_replace_each_other_and_never_answer_for_one_another():
+    store = RecycleStore(vocab_size=70_000, k=2)
+    keys = np.arange(1, 70_000, dtype=np.int64) * 70_000 + 5  # (previous, 5) for many previous tokens
+    store.observe(np.full(keys.size, 5), np.stack([keys % 97, keys % 89], axis=1), previous=keys // 70_000)
+    assert store.known_pairs <= PAIR_SLOTS < keys.size
+    hits = [store.successors(int(p), 5) for p in range(1, 70_000, 997)]
+    assert 0 < sum(paired for _, paired in hits) < len(hits)  # some pairs were pushed out by later ones
+    for p, (row, paired) in zip(range(1, 70_000, 997), hits):
+        if paired:  # a pair found is always the pair asked for
+            assert row.tolist() == [(p * 70_000 + 5) % 97, (p * 70_000 + 5) % 89]
 
 
 def test_the_table_persists_and_a_bad_file_is_refused(tmp_path):
     path = tmp_path / "t.npz"
     store = trained()
+    store.observe(np.array([9]), np.array([[1, 2, 3, 4]]), previous=np.array([5]))
     store.path = path
     store.save()
-    assert RecycleStore(50, k=4, path=path).table.tolist() == store.table.tolist()
+    again = RecycleStore(50, k=4, path=path)
+    assert again.table.tolist() == store.table.tolist()
+    row, paired = again.successors(5, 9)
+    assert paired and row.tolist() == [1, 2, 3, 4]
+    with np.load(path) as z:  # a file of the first format: the per-token table only
+        np.savez(tmp_path / "v1.npz", format=z["format"], version=np.array(1), table=z["table"])
+    first = RecycleStore(50, k=4, path=tmp_path / "v1.npz")
+    assert first.table.tolist() == store.table.tolist() and first.known_pairs == 0
     with pytest.raises(DatastoreError, match="shape"):
         RecycleStore(60, k=4, path=path)
     path.write_bytes(b"not a table")
@@ -92,3 +159,19 @@ def test_a_full_table_drafts_from_few_rows_however_deep():
     tree = build_draft_tree(3, [lk], budget=8)
     first = int(store.table[3, 0])
     assert tree.tokens[1] == first and int(store.table[first, 0]) in tree.children[1]  # rank 0, then rank 0 again
+
+
+def test_a_pairs_slot_is_the_same_whether_hashed_alone_or_with_others():
+    from datastores.recycle import _slots
+    store = RecycleStore(vocab_size=70_000, k=2)
+    rng = np.random.default_rng(0)
+    prev, tok = rng.integers(0, 70_000, 500), rng.integers(0, 70_000, 500)
+    store.observe(tok, np.stack([tok, prev], axis=1), previous=prev)
+    slots = _slots(prev * 70_000 + tok)
+    assert slots.min() >= 0 and slots.max() < PAIR_SLOTS
+    last = {}
+    for i, s in enumerate(slots):
+        last[int(s)] = i  # the pair observed last in each slot holds it
+    for i in last.values():
+        row, paired = store.successors(int(prev[i]), int(tok[i]))
+        assert paired and row.tolist() == [tok[i], prev[i]]

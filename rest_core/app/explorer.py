@@ -43,7 +43,8 @@ def _found(lk: Lookup) -> str:
     if not lk.matched_len:
         return "**model** (its own earlier predictions): nothing recycled yet after the last token"
     paths = len(np.unique(lk.continuations, axis=0))  # rows repeat in proportion to their chance
-    return f"**model** (its own earlier predictions): {_plural(paths, 'recycled path')} after the last token"
+    after = "the last two tokens (seen together before)" if lk.matched_len >= 2 else "the last token"
+    return f"**model** (its own earlier predictions): {_plural(paths, 'recycled path')} after {after}"
 
 
 def explore(engine: Engine, session: Session, settings: Settings, context: str, budget: int) -> dict:

@@ -27,7 +27,7 @@ RUN_TABLE_HEADERS = [header for header, _ in RUN_COLUMNS]
 BRANCH_HEADERS = ["store", "continuation", "count"]
 CHOICE_HEADERS = ["node", "depth", "draft token", "drafted by", "score", "p (draft)", "model's next token",
                   "model's likeliest", "accepted"]
-MODEL_NODE = "the model's own earlier prediction after the same token (recycled)"  # a "model" node, in words
+MODEL_NODE = "the model's own earlier prediction after the same tokens (recycled)"  # a "model" node, in words
 NO_RUN = "Choose a run first (decode something in the Chat or Race tab to record one)."
 
 
@@ -175,8 +175,9 @@ class TextsOfRun(dict):
 def _found_by(source: str, matched: int, offered: int, distinct: int) -> str:
     """What one store found for a step's suffix, in words."""
     if source == "model":
+        after = "the last two tokens" if matched >= 2 else "the last token"
         return ("the model had made no prediction after the last token yet, so it had nothing to recycle"
-                if not matched else f"the model's own earlier predictions after the last token (recycled) "
+                if not matched else f"the model's own earlier predictions after {after} (recycled) "
                                     f"offered {distinct} path{'s' if distinct != 1 else ''}")
     name = source_words(source)
     if not matched:
@@ -256,7 +257,8 @@ def suffix_html(step: dict, texts: dict) -> str:
         matched = f"background:color-mix(in srgb, {colour} 20%, transparent);border-bottom:3px solid {colour}"
         spans = "".join(f'<span class="q" style="{matched if i >= len(cells) - m else "opacity:.35"}">{c}</span>'
                         for i, c in enumerate(cells))
-        what = (("recycled its predictions after the last token" if m else "has no prediction to recycle yet")
+        what = ((f"recycled its predictions after the last {'two tokens' if m >= 2 else 'token'}" if m
+                 else "has no prediction to recycle yet")
                 if source == "model" else f'matched {m} token{"s" if m != 1 else ""}')
         rows.append(f'<div class="suffix-row"><b>{html.escape(source)}</b> {what} {spans}</div>')
     return f'<div class="suffix">{"".join(rows)}</div>'
