@@ -88,8 +88,8 @@ def _chains(decodes, pairs: bool) -> float:
         while i < len(tokens):
             chain, accepted = list(ctx), 0
             while accepted < CHAIN and i + accepted < len(tokens):
-                key = (chain[-2], chain[-1])
-                guess = by_pair.get(key) if pairs and key in by_pair else by_token.get(chain[-1])
+                key = (chain[-2], chain[-1]) if len(chain) > 1 else None
+                guess = by_pair[key] if pairs and key in by_pair else by_token.get(chain[-1])
                 if guess != tokens[i + accepted]:
                     break
                 chain.append(guess)
@@ -97,7 +97,8 @@ def _chains(decodes, pairs: bool) -> float:
             take = min(accepted + 1, len(tokens) - i)
             for j in range(i, i + take):  # the step commits these: the model's choice after each is learned
                 by_token[ctx[-1]] = tops[j][0]
-                by_pair[(ctx[-2], ctx[-1])] = tops[j][0]
+                if len(ctx) > 1:
+                    by_pair[(ctx[-2], ctx[-1])] = tops[j][0]
                 ctx.append(tokens[j])
             i += take
             steps += 1

@@ -175,3 +175,23 @@ def test_a_pairs_slot_is_the_same_whether_hashed_alone_or_with_others():
     for i in last.values():
         row, paired = store.successors(int(prev[i]), int(tok[i]))
         assert paired and row.tolist() == [tok[i], prev[i]]
+
+
+def test_the_successor_replay_counts_pair_and_token_hits_apart():
+    """scripts/successor_replay.py (where PAIR_PRIOR and TOKEN_PRIOR come from) on a made-up answer: the
+    pair (1, 2) recurs and is followed by 3 both times; token 2 also appears after 7, followed by 9."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "successor_replay.py"
+    spec = importlib.util.spec_from_file_location("successor_replay", path)
+    replay_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay_mod)
+    prompt, tokens = [1], [2, 3, 7, 2, 9, 1, 2, 3]
+    tops = [[t] + [90 + r for r in range(7)] for t in tokens]  # greedy: rank 0 is the token emitted there
+    out = replay_mod.replay([(prompt, tokens, tops)])
+    # one position after a known pair: the last 3, after (1, 2) as before -- a rank-0 hit, where the token
+    # alone would have missed (after 7, 2 was followed by 9)
+    assert out["pair"][8] == 1 and out["pair"][0] == 1.0
+    # two positions after a known token only: 9 after 2 (3 recorded: a miss), 2 after 1 (a rank-0 hit)
+    assert out["token"][8] == 2 and out["token"][0] == 0.5
+    assert out["chain tokens/step, per token"] >= 1.0 and out["chain tokens/step, pair first"] >= 1.0
