@@ -50,7 +50,7 @@ BRANCHING = (4, 3, 2, 2, 1, 1, 1, 1, 1, 1)  # children per node at each depth of
 # general-text store's requests (datastores/answer_prompts.py), not to the benchmark's prompts
 PAIR_PRIOR = (0.53, 0.08, 0.04, 0.026, 0.02, 0.014, 0.012, 0.012)
 TOKEN_PRIOR = (0.15, 0.08, 0.048, 0.034, 0.022, 0.02, 0.018, 0.016)
-PAIR_SLOTS = 1 << 16  # pairs kept (2.4 MB at k = 8); a newer pair hashed to a taken slot replaces the older
+PAIR_SLOTS = 1 << 16  # pairs kept (2.5 MiB at k = 8); a newer pair hashed to a taken slot replaces the older
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: a pair's slot is the top bits of key * golden ratio * 2^64
 _SHIFT = 64 - (PAIR_SLOTS.bit_length() - 1)
 FORMAT_VERSION = 2  # 1: the per-token table only
@@ -115,7 +115,7 @@ class RecycleStore(StoreBase):
         """(k,) the successors kept after this pair when it was seen (True), else after the token (False)."""
         if 0 <= previous < self.vocab_size:
             key = previous * self.vocab_size + token
-            slot = ((key * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> _SHIFT  # as _slots, without arrays
+            slot = _slot(key)
             if self.pair_keys[slot] == key:
                 return self.pair_table[slot], True
         return self.table[token], False
@@ -126,13 +126,10 @@ class RecycleStore(StoreBase):
         pair; 1: only the newest token was)."""
         check_lookup_args(n_max, n_min, max_matches, continuation_len)
         tail = query_tail(context, 2)
-        if tail.size == 0 or not 0 <= int(tail[-1]) < self.vocab_size:
-            return empty_lookup(self.source, continuation_len)
+        if tail.size == 0 or not 0 <= int(tail[-1]) < self.vocab_size or self.table[int(tail[-1]), 0] < 0:
+            return empty_lookup(self.source, continuation_len)  # a pair is only ever kept with its token
         previous, last = (int(tail[0]) if tail.size == 2 else -1), int(tail[-1])
-        row, paired = self.successors(previous, last)
-        if row[0] < 0:
-            return empty_lookup(self.source, continuation_len)
-        paths, masses = self._grow(previous, last, continuation_len)
+        paths, masses, paired = self._grow(previous, last, continuation_len)
         counts = np.round(np.array(masses) * ROW_SCALE).astype(np.int64)  # (paths,)
         keep = counts > 0
         if not keep.any():
@@ -143,8 +140,9 @@ class RecycleStore(StoreBase):
         rows = np.repeat(rows[keep], counts[keep], axis=0)[:max_matches]
         return Lookup(self.source, 2 if paired else 1, int(rows.shape[0]), rows)
 
-    def _grow(self, previous: int, root: int, depth: int) -> tuple[list[tuple[int, ...]], list[float]]:
-        """Every drafted path with the share of the prior chance that ends there.
+    def _grow(self, previous: int, root: int, depth: int) -> tuple[list[tuple[int, ...]], list[float], bool]:
+        """Every drafted path with the share of the prior chance that ends there, and whether the root's
+        successors were those kept after (previous, root).
 
         A node's chance is its parent's times the prior of its rank (PAIR_PRIOR when its successors were
         recorded after the same two tokens, TOKEN_PRIOR after the same token only); what its children do
@@ -153,11 +151,13 @@ class RecycleStore(StoreBase):
         paths: list[tuple[int, ...]] = []
         ends: list[float] = []
         frontier: list[tuple[tuple[int, ...], int, int, float]] = [((), previous, root, 1.0)]
+        root_paired = False
         for d in range(depth):
             width = self.branching[d] if d < len(self.branching) else 1
             grown = []
             for path, before, tok, chance in frontier:
                 row, paired = self.successors(before, tok)
+                root_paired = root_paired or (d == 0 and paired)
                 prior = PAIR_PRIOR if paired else TOKEN_PRIOR
                 succ = [int(t) for t in row[:width] if t >= 0]
                 children = [(path + (t,), tok, t, chance * prior[min(r, len(prior) - 1)])
@@ -170,7 +170,7 @@ class RecycleStore(StoreBase):
         for path, _, _, chance in frontier:
             paths.append(path)
             ends.append(chance)
-        return paths, ends
+        return paths, ends, root_paired
 
     # ------------------------------------------------------------------ persistence
     def save(self, path: str | Path | None = None) -> None:
@@ -209,6 +209,11 @@ class RecycleStore(StoreBase):
                                  f"needs {self.pair_table.shape}; delete it to start afresh")
         self.table = table.copy()
         self.pair_keys, self.pair_table = pair_keys.copy(), pair_table.copy()
+
+
+def _slot(key: int) -> int:
+    """The pair table's slot of one key (previous * V + token, >= 0): `_slots` without arrays, for lookups."""
+    return ((key * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> _SHIFT
 
 
 def _slots(keys: np.ndarray) -> np.ndarray:

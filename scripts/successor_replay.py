@@ -1,8 +1,9 @@
 """How well do the model's own earlier predictions foretell its next token, per token and per pair?
 
 Decodes prompts greedily with the model alone, keeping its top 8 next tokens at every new
-position, then replays each answer in order with a successor table that learns as the
-model source does (after every position, the model's top 8 there), and reports:
+position, then replays each answer in order with successor tables that learn as the
+model source's do (after every position, the model's top 8 there) but never lose a pair to a
+hash collision, and reports:
 
 * per rank r, how often the rank-r successor kept after the same two tokens was the next
   token (where that pair had been seen), and how often the one kept after the token alone was
@@ -27,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datastores.answer_prompts import answer_prompts
 from rest_core.bench.suites import load_suite
+from rest_core.decode import prefill
 from rest_core.model import encode_prompt, load_model
 
 TOP = 8
@@ -42,9 +43,7 @@ CHAIN = 8
 @torch.inference_mode()
 def greedy_with_tops(lm, ids: list[int], max_new: int) -> tuple[list[int], list[list[int]]]:
     """The model's greedy answer and its top TOP tokens at every new position."""
-    cache = DynamicCache(config=lm.model.config)
-    if len(ids) > 1:
-        lm.forward(input_ids=torch.tensor([ids[:-1]], device=lm.device), cache=cache, logits_to_keep=1)
+    cache = prefill(lm, ids)
     last, tokens, tops = ids[-1], [], []
     for _ in range(max_new):
         logits = lm.forward(input_ids=torch.tensor([[last]], device=lm.device), cache=cache).logits[0, -1]

@@ -194,4 +194,9 @@ def test_the_successor_replay_counts_pair_and_token_hits_apart():
     assert out["pair"][8] == 1 and out["pair"][0] == 1.0
     # two positions after a known token only: 9 after 2 (3 recorded: a miss), 2 after 1 (a rank-0 hit)
     assert out["token"][8] == 2 and out["token"][0] == 0.5
-    assert out["chain tokens/step, per token"] >= 1.0 and out["chain tokens/step, pair first"] >= 1.0
+    # one more token, 5 after (2, 3): one chain per step, the pair carries the last one further -- per token
+    # 8 steps for 9 tokens (after 1 comes 2, then 9 was recorded after 2: a miss), pair first 7 (2, then 3
+    # after (1, 2)); every other step drafts nothing that lands
+    chains = replay_mod.replay([(prompt, tokens + [5], tops + [[5] + [90 + r for r in range(7)]])])
+    assert chains["chain tokens/step, per token"] == round(9 / 8, 3)
+    assert chains["chain tokens/step, pair first"] == round(9 / 7, 3)

@@ -11,7 +11,7 @@ from datastores import DatastoreError, Lookup, assemble_stores
 from rest_core.app.decoding import answers_store_for, static_store_for
 from rest_core.app.engine import Engine
 from rest_core.app.panels import panel
-from rest_core.app.replay import suffix_html
+from rest_core.app.replay import recycled_after, suffix_html
 from rest_core.app.session import Session
 from rest_core.app.settings import Settings
 from rest_core.decode import DecodeConfig, PromptError, aggregate_branches
@@ -43,8 +43,9 @@ def _found(lk: Lookup) -> str:
     if not lk.matched_len:
         return "**model** (its own earlier predictions): nothing recycled yet after the last token"
     paths = len(np.unique(lk.continuations, axis=0))  # rows repeat in proportion to their chance
-    after = "the last two tokens (seen together before)" if lk.matched_len >= 2 else "the last token"
-    return f"**model** (its own earlier predictions): {_plural(paths, 'recycled path')} after {after}"
+    seen = " (seen together before)" if lk.matched_len >= 2 else ""
+    return f"**model** (its own earlier predictions): {_plural(paths, 'recycled path')} after " \
+           f"{recycled_after(lk.matched_len)}{seen}"
 
 
 def explore(engine: Engine, session: Session, settings: Settings, context: str, budget: int) -> dict:

@@ -172,12 +172,16 @@ class TextsOfRun(dict):
         return f"⟨{token_id}⟩"
 
 
+def recycled_after(matched: int) -> str:
+    """What the model source looked its predictions up after, from its matched_len (2: a pair it had seen)."""
+    return "the last two tokens" if matched >= 2 else "the last token"
+
+
 def _found_by(source: str, matched: int, offered: int, distinct: int) -> str:
     """What one store found for a step's suffix, in words."""
     if source == "model":
-        after = "the last two tokens" if matched >= 2 else "the last token"
         return ("the model had made no prediction after the last token yet, so it had nothing to recycle"
-                if not matched else f"the model's own earlier predictions after {after} (recycled) "
+                if not matched else f"the model's own earlier predictions after {recycled_after(matched)} (recycled) "
                                     f"offered {distinct} path{'s' if distinct != 1 else ''}")
     name = source_words(source)
     if not matched:
@@ -257,8 +261,7 @@ def suffix_html(step: dict, texts: dict) -> str:
         matched = f"background:color-mix(in srgb, {colour} 20%, transparent);border-bottom:3px solid {colour}"
         spans = "".join(f'<span class="q" style="{matched if i >= len(cells) - m else "opacity:.35"}">{c}</span>'
                         for i, c in enumerate(cells))
-        what = ((f"recycled its predictions after the last {'two tokens' if m >= 2 else 'token'}" if m
-                 else "has no prediction to recycle yet")
+        what = ((f"recycled its predictions after {recycled_after(m)}" if m else "has no prediction to recycle yet")
                 if source == "model" else f'matched {m} token{"s" if m != 1 else ""}')
         rows.append(f'<div class="suffix-row"><b>{html.escape(source)}</b> {what} {spans}</div>')
     return f'<div class="suffix">{"".join(rows)}</div>'
