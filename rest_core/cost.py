@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63)
+_BUDGETS = np.array(CANDIDATE_BUDGETS)
 BINS = np.array([0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.9, 1.0001])  # ratio bins (a node's share of its parent's rows)
 DEPTHS = 4  # depth cells: 1, 2, 3, 4 and deeper
 SUPPORT = np.array([0.0, 2.0, 4.0, 16.0])  # support cells: 1, 2-3, 4-15, 16+ rows through the node
@@ -154,15 +155,10 @@ class CostModel:
         return order + 1, chance[order]
 
     def _best_budget(self, chance: np.ndarray) -> int:
+        budgets = _BUDGETS[_BUDGETS <= chance.size]  # (m,) 0 first
         gain = np.concatenate([[0.0], np.cumsum(chance)])  # (n+1,) expected accepted drafts of the top b
-        best, best_rate = 0, 1.0 / self.forward_ms(1)
-        for b in CANDIDATE_BUDGETS:
-            if b == 0 or b > chance.size:
-                continue
-            rate = (1.0 + gain[b]) / self.forward_ms(b + 1)
-            if rate > best_rate:
-                best, best_rate = b, rate
-        return best
+        rate = (1.0 + gain[budgets]) / np.interp(budgets + 1, self.grid, self.times_ms)  # (m,) tokens per ms
+        return int(budgets[int(rate.argmax())])  # the first best: a tie goes to the smaller budget
 
     def choose(self, tree: DraftTree) -> int:
         """Best number of draft nodes for this tree (the top of `ranked`)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,7 +34,6 @@ class DraftTree:
     depths: np.ndarray  # (n,) int64; root = 0
     scores: np.ndarray  # (n,) float64; root = total weight
     sources: list[str] = field(default_factory=list)  # dominant source per node ("" for root)
-    children: list[dict[int, int]] = field(default_factory=list)  # token -> child node, per node
     # (n,) float64: the share of its dominant source's continuations that run through each node
     # (root: 1.0) -- that source's own estimate of the chance the text continues this way
     shares: np.ndarray = field(default_factory=lambda: np.ones(1))
@@ -43,6 +43,12 @@ class DraftTree:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    @cached_property
+    def children(self) -> list[dict[int, int]]:
+        """Per node: token -> child node (built when first asked: the verifier's walk needs it, a tree the
+        budget choice cuts down never does)."""
+        return _children(self.tokens, self.parents)
+
     @property
     def draft_size(self) -> int:
         return len(self) - 1
@@ -50,8 +56,8 @@ class DraftTree:
 
 def root_only(root_token: int) -> DraftTree:
     return DraftTree(tokens=np.array([root_token], dtype=np.int64), parents=np.array([-1], dtype=np.int64),
-                     depths=np.zeros(1, dtype=np.int64), scores=np.zeros(1), sources=[""], children=[{}],
-                     shares=np.ones(1), support=np.zeros(1))
+                     depths=np.zeros(1, dtype=np.int64), scores=np.zeros(1), sources=[""], shares=np.ones(1),
+                     support=np.zeros(1))
 
 
 def source_weight(source: str, matched_len: int, base: dict[str, float]) -> float:
@@ -82,7 +88,11 @@ def _stack_rows(lookups, base_weights: dict[str, float]):
     if not blocks:
         return None
     width = max(b.shape[1] for b in blocks)
-    rows = np.concatenate([np.pad(b, ((0, 0), (0, width - b.shape[1])), constant_values=-1) for b in blocks])
+    rows = np.full((sum(b.shape[0] for b in blocks), width), -1, dtype=np.int64)  # shorter rows padded with -1
+    at = 0
+    for b in blocks:
+        rows[at:at + b.shape[0], :b.shape[1]] = b
+        at += b.shape[0]
     return rows, np.concatenate(src_ids), unit, names
 
 
@@ -158,8 +168,7 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
     sources = [""] + [names[i] for i in c["source"][keep]]
     shares = np.concatenate([[1.0], c["share"][keep]])
     support = np.concatenate([[0.0], c["support"][keep]])
-    return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources,
-                     _children(tree_tokens, tree_parents), shares, support)
+    return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources, shares, support)
 
 
 def _children(tokens: np.ndarray, parents: np.ndarray) -> list[dict[int, int]]:
@@ -226,5 +235,4 @@ def keep_nodes(tree: DraftTree, nodes: np.ndarray) -> DraftTree:
     if (parents[1:] < 0).any():
         raise ValueError("keep_nodes: a kept node's parent was cut; keep a prefix-closed set of nodes")
     return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep],
-                     [tree.sources[i] for i in keep], _children(tree.tokens[keep], parents), tree.shares[keep],
-                     tree.support[keep])
+                     [tree.sources[i] for i in keep], tree.shares[keep], tree.support[keep])
