@@ -110,6 +110,23 @@ def test_kv_compaction_equals_recomputation(tiny_lm):
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-4)
 
 
+def test_kv_compaction_of_a_path_kept_whole_leaves_the_cache_as_it_is(tiny_lm):
+    """A one-token step, or a chain accepted to its end: the cache already holds exactly the kept nodes, in
+    order, so compaction moves and copies nothing (and a crop to fewer nodes still cuts)."""
+    model = tiny_lm.model
+    prefix = [7, 8, 9, 10, 11]
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        tiny_lm.forward(input_ids=torch.tensor([prefix + [12, 13, 14]]), cache=cache)
+        before = [(layer.keys, layer.values) for layer in cache.layers]
+        compact_cache(cache, len(prefix), [0, 1, 2])
+        assert all(layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, before))
+        compact_cache(cache, len(prefix), [0, 1])
+    assert cache.get_seq_length() == len(prefix) + 2
+    for layer, (k, _) in zip(cache.layers, before):
+        torch.testing.assert_close(layer.keys, k[:, :, :len(prefix) + 2])
+
+
 def test_eos_and_max_new_tokens_cut_the_accepted_path(tiny_lm):
     prompt = PROMPTS[0]
     plain = plain_generate(tiny_lm, prompt, DecodeConfig(max_new_tokens=30, stop_at_eos=False))
