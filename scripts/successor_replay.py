@@ -1,16 +1,20 @@
-"""How well do the model's own earlier predictions foretell its next token, per token and per pair?
+"""How well do the model's own earlier predictions foretell its next token, per token, pair and triple?
 
 Decodes prompts greedily with the model alone, keeping its top 8 next tokens at every new
 position, then replays each answer in order with successor tables that learn as the
-model source's do (after every position, the model's top 8 there) but never lose a pair to a
+model source's do (after every position, the model's top 8 there) but never lose a key to a
 hash collision, and reports:
 
 * per rank r, how often the rank-r successor kept after the same two tokens was the next
   token (where that pair had been seen), and how often the one kept after the token alone was
   (where only the token had been seen) -- the figures datastores/recycle.py's PAIR_PRIOR and
   TOKEN_PRIOR come from;
+* the same with a table of triples tried first: after the same three tokens, and after the same
+  two where the three had not been seen (what a third table would add; measured and left out,
+  docs/bench/model-source-pairs.md);
 * new tokens per step if every step drafted one chain of rank-0 successors (up to 8 deep), looked
-  up per token only or per pair first: an upper view of what the pair table adds, verification free.
+  up after keys of up to one, two or three tokens: an upper view of what each longer key adds,
+  verification free.
 
     .venv/bin/python scripts/successor_replay.py --prompts answers --limit 40   # the priors' own data
     .venv/bin/python scripts/successor_replay.py --prompts chat
@@ -56,48 +60,61 @@ def greedy_with_tops(lm, ids: list[int], max_new: int) -> tuple[list[int], list[
     return tokens, tops
 
 
+KEY_LEN = {"triple": 3, "pair": 2, "token": 1}
+
+
 def replay(decodes: list[tuple[list[int], list[int], list[list[int]]]]) -> dict:
-    """Rank hit rates per kind of lookup, and tokens per step of one rank-0 chain per step."""
-    by_token: dict[int, list[int]] = {}
-    by_pair: dict[tuple[int, int], list[int]] = {}
-    hits = {"pair": np.zeros(TOP + 1), "token": np.zeros(TOP + 1)}
-    for prompt, tokens, tops in decodes:
-        ctx = list(prompt)
-        for tok, top in zip(tokens, tops):
-            pair = (ctx[-2], ctx[-1]) if len(ctx) > 1 else None
-            row, kind = (by_pair[pair], "pair") if pair in by_pair else (by_token.get(ctx[-1]), "token")
-            if row is not None:
-                hits[kind][row.index(tok) if tok in row else TOP] += 1
-            by_token[ctx[-1]] = top
-            if pair is not None:
-                by_pair[pair] = top
-            ctx.append(tok)
-    out = {kind: (h[:TOP] / max(h.sum(), 1)).round(3).tolist() + [int(h.sum())] for kind, h in hits.items()}
-    out["chain tokens/step, per token"] = _chains(decodes, pairs=False)
-    out["chain tokens/step, pair first"] = _chains(decodes, pairs=True)
+    """Rank hit rates per kind of lookup, and tokens per step of one rank-0 chain per step.
+
+    "pair" and "token": looked up as the model source does (the pair when seen, else the token);
+    "triple" and "pair, no triple": with a table of triples tried first (what a third table would add)."""
+    out = {}
+    for kinds, names in ((("pair", "token"), ("pair", "token")),
+                         (("triple", "pair"), ("triple", "pair, no triple"))):
+        tables: dict[str, dict[tuple[int, ...], list[int]]] = {kind: {} for kind in KEY_LEN}
+        hits = {kind: np.zeros(TOP + 1) for kind in kinds}
+        for prompt, tokens, tops in decodes:
+            ctx = list(prompt)
+            for tok, top in zip(tokens, tops):
+                for kind in (*kinds, "token"):  # the longest key seen answers
+                    row = tables[kind].get(tuple(ctx[-KEY_LEN[kind]:])) if len(ctx) >= KEY_LEN[kind] else None
+                    if row is not None:
+                        if kind in hits:
+                            hits[kind][row.index(tok) if tok in row else TOP] += 1
+                        break
+                for kind in KEY_LEN:
+                    if len(ctx) >= KEY_LEN[kind]:
+                        tables[kind][tuple(ctx[-KEY_LEN[kind]:])] = top
+                ctx.append(tok)
+        for kind, name in zip(kinds, names):
+            h = hits[kind]
+            out[name] = (h[:TOP] / max(h.sum(), 1)).round(3).tolist() + [int(h.sum())]
+    for longest in (1, 2, 3):
+        out[f"chain tokens/step, keys up to {longest}"] = _chains(decodes, longest)
     return out
 
 
-def _chains(decodes, pairs: bool) -> float:
-    by_token: dict[int, int] = {}
-    by_pair: dict[tuple[int, int], int] = {}
+def _chains(decodes, longest: int) -> float:
+    """New tokens per step when each step drafts one chain of rank-0 successors, each looked up after the
+    longest key (up to `longest` tokens) seen."""
+    tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(longest)]  # tables[n - 1]: keys of n tokens
     steps = new = 0
     for prompt, tokens, tops in decodes:
         ctx, i = list(prompt), 0
         while i < len(tokens):
             chain, accepted = list(ctx), 0
             while accepted < CHAIN and i + accepted < len(tokens):
-                key = (chain[-2], chain[-1]) if len(chain) > 1 else None
-                guess = by_pair[key] if pairs and key in by_pair else by_token.get(chain[-1])
+                guess = next((tables[n - 1][key] for n in range(longest, 0, -1)
+                              if len(chain) >= n and (key := tuple(chain[-n:])) in tables[n - 1]), None)
                 if guess != tokens[i + accepted]:
                     break
                 chain.append(guess)
                 accepted += 1
             take = min(accepted + 1, len(tokens) - i)
             for j in range(i, i + take):  # the step commits these: the model's choice after each is learned
-                by_token[ctx[-1]] = tops[j][0]
-                if len(ctx) > 1:
-                    by_pair[(ctx[-2], ctx[-1])] = tops[j][0]
+                for n in range(1, longest + 1):
+                    if len(ctx) >= n:
+                        tables[n - 1][tuple(ctx[-n:])] = tops[j][0]
                 ctx.append(tokens[j])
             i += take
             steps += 1
@@ -125,10 +142,10 @@ def main() -> None:
         print(f"\rdecoded {n}/{len(prompts)}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     result = replay(decodes)
-    for kind in ("pair", "token"):
+    for kind in ("pair", "token", "triple", "pair, no triple"):
         rates, seen = result[kind][:TOP], result[kind][TOP]
         print(f"rank hit rate after the same {kind} ({seen} positions): " + " ".join(f"{r:.3f}" for r in rates))
-    for key in ("chain tokens/step, per token", "chain tokens/step, pair first"):
+    for key in (k for k in result if k.startswith("chain")):
         print(f"{key}: {result[key]}")
 
 
