@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -339,3 +340,29 @@ def test_the_models_own_predictions_draft_and_greedy_stays_exact(tiny_lm):
     assert {"model"} == {s for t in traces for s in t.tree_sources[1:]}
     assert res.accepted_by_source.get("model", 0) > 0  # the repeated prompt is drafted from what was learned
     assert res.drafted_by_source["model"] >= res.accepted_by_source["model"]
+
+
+def test_the_step_overhead_script_splits_steps_with_and_without_a_draft(tiny_lm):
+    """scripts/step_overhead.py on the tiny model: every step is counted once, under the kind its tree was,
+    and its phases are the decoder's own timings."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "scripts" / "step_overhead.py"
+    spec = importlib.util.spec_from_file_location("step_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(request=True, model=RecycleStore(tiny_lm.vocab_size)))
+    cfg = DecodeConfig(max_new_tokens=24, draft_budget=4, stop_at_eos=False)
+    prompts = [[5, 6, 7, 8], [5, 6, 7, 8]]  # the second learns from the first: some steps draft, some not
+    out = module.measure(dec, prompts, cfg)
+    traces = []  # the same decodes again with fresh stores (which learn alike), their steps counted by hand
+    fresh = RestDecoder(tiny_lm, stores=assemble_stores(request=True, model=RecycleStore(tiny_lm.vocab_size)))
+    for ids in prompts:
+        fresh.generate(list(ids), cfg, hook=traces.append)
+    drafted = sum(len(t.tree_tokens) > 1 for t in traces)
+    assert out["with draft"]["steps"] == drafted > 0 and out["no draft"]["steps"] == len(traces) - drafted > 0
+    for kind in ("no draft", "with draft"):
+        k = out[kind]
+        assert 0 < k["median_ms"] and 0 < k["mean_ms"] and k["learning_ms"] == 0.0  # no cost model here
+        assert k["mean_ms"] == pytest.approx(sum(k["phases_ms"][p] for p in module.PHASES_AROUND))
+    assert out["plain_ms_per_step"] > 0
+    assert dec.budget_chooser is None  # the decoder is handed back as it was

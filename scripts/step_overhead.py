@@ -1,0 +1,118 @@
+"""What a REST step costs around its forward pass, for steps with and without a draft, beside a plain step.
+
+Decodes prompts with rest_full's stores (the Python store, the general-text store in chat, the request
+store, a history and the model's own predictions, the last two in memory and empty at first), then the
+same prompts plainly, and reports per kind of step the milliseconds spent outside the forward pass:
+looking the stores up, building and sizing the tree, verifying, committing (KV cache, the stores told
+what was committed and what the model predicted) and the cost model learning from the step.  A step
+with no draft does everything a plain step does plus that work, so its overhead over a plain step is
+what REST costs where it cannot help.
+
+    .venv/bin/python scripts/step_overhead.py --suite chat --limit 8
+    .venv/bin/python scripts/step_overhead.py --suite humaneval --limit 8
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from datastores import HistoryStore, RecycleStore, assemble_stores, open_answers, open_default_store
+from rest_core.bench.suites import load_suite
+from rest_core.cost import CostModel
+from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
+from rest_core.machine import cpu_info
+
+PHASES_AROUND = ("retrieve", "tree", "verify", "commit")  # a step's timed phases besides the forward pass
+
+
+class _TimedChooser:
+    """The decoder's budget chooser, with the time of each `observe` (the cost model learning) kept."""
+
+    def __init__(self, chooser):
+        self._chooser = chooser
+        self.last_observe_ms = 0.0
+
+    def observe(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        self._chooser.observe(*args, **kwargs)
+        self.last_observe_ms = (time.perf_counter() - t0) * 1e3
+
+    def __getattr__(self, name):
+        return getattr(self._chooser, name)
+
+
+def measure(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeConfig) -> dict:
+    """Per kind of step ("no draft", "with draft"): steps, median and mean ms around the pass, mean ms per
+    phase and of the cost model's learning; and the plain loop's mean ms per step on the same prompts."""
+    chooser = decoder.budget_chooser
+    timed = _TimedChooser(chooser) if chooser is not None else None
+    decoder.budget_chooser = timed
+    rows: list[tuple[bool, dict, float]] = []  # (drafted, phase ms, learning ms) per step
+
+    def hook(trace) -> None:
+        rows.append((len(trace.tree_tokens) > 1, dict(trace.timings_ms), timed.last_observe_ms if timed else 0.0))
+
+    try:
+        for ids in prompts:
+            decoder.generate(list(ids), cfg, hook=hook)
+    finally:
+        decoder.budget_chooser = chooser
+    plain_steps = plain_s = 0.0
+    for ids in prompts:
+        res = plain_generate(decoder.lm, list(ids), cfg)
+        plain_steps += res.steps
+        plain_s += res.wall_s - res.prefill_s
+    out: dict = {"plain_ms_per_step": plain_s / plain_steps * 1e3 if plain_steps else 0.0}
+    for kind, drafted in (("no draft", False), ("with draft", True)):
+        chosen = [(ms, learn) for d, ms, learn in rows if d == drafted]
+        around = [sum(ms[p] for p in PHASES_AROUND) + learn for ms, learn in chosen]
+        out[kind] = {"steps": len(chosen),
+                     "median_ms": float(np.median(around)) if around else 0.0,
+                     "mean_ms": float(np.mean(around)) if around else 0.0,
+                     "phases_ms": {p: float(np.mean([ms[p] for ms, _ in chosen])) if chosen else 0.0
+                                   for p in (*PHASES_AROUND, "forward")},
+                     "learning_ms": float(np.mean([learn for _, learn in chosen])) if chosen else 0.0}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", choices=("chat", "humaneval"), default="chat")
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    from rest_core.model import load_model
+    lm = load_model()
+    static = open_default_store(lm.tokenizer, progress=False)
+    answers = open_answers("default", lm.name, lm.tokenizer) if args.suite == "chat" else None
+    stores = assemble_stores(static=static, answers=answers, request=True, history=HistoryStore(path=None),
+                             model=RecycleStore(lm.vocab_size))
+    kind = "chat" if args.suite == "chat" else "text"
+    decoder = RestDecoder(lm, stores=stores, budget_chooser=CostModel.for_model(lm, stores=stores, kind=kind))
+    prompts = [p.ids for p in load_suite(args.suite, lm.tokenizer, limit=args.limit)]
+    decoder.generate(list(prompts[0]), DecodeConfig(max_new_tokens=16))  # warm-up
+    out = measure(decoder, prompts, DecodeConfig(max_new_tokens=args.max_new_tokens))
+    plain = out["plain_ms_per_step"]
+    info = cpu_info()
+    print(f"{info['cpu']} ({info['cpu_vendor']}, torch uses {info['cpu_capability']}), torch threads "
+          f"{torch.get_num_threads()}")
+    print(f"plain: {plain:.2f} ms per step")
+    for kind in ("no draft", "with draft"):
+        k = out[kind]
+        phases = ", ".join(f"{p} {v:.2f}" for p, v in k["phases_ms"].items() if p != "forward")
+        print(f"{kind}: {k['steps']} steps, around the pass median {k['median_ms']:.2f} ms "
+              f"({k['median_ms'] / plain:.1%} of a plain step), mean {k['mean_ms']:.2f} "
+              f"(mean ms: {phases}, cost model learning {k['learning_ms']:.2f}; "
+              f"forward {k['phases_ms']['forward']:.1f})")
+
+
+if __name__ == "__main__":
+    main()
