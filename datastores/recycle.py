@@ -157,7 +157,8 @@ class RecycleStore(StoreBase):
             grown = []
             for path, before, tok, chance in frontier:
                 row, paired = self.successors(before, tok)
-                root_paired = root_paired or (d == 0 and paired)
+                if d == 0:  # the root alone
+                    root_paired = paired
                 prior = PAIR_PRIOR if paired else TOKEN_PRIOR
                 succ = [int(t) for t in row[:width] if t >= 0]
                 children = [(path + (t,), tok, t, chance * prior[min(r, len(prior) - 1)])

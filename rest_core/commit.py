@@ -26,12 +26,11 @@ def compact_cache(cache: DynamicCache, prefix_len: int, accepted_nodes: list[int
     """Keep slots [0, prefix_len) and the accepted tree nodes, in path order."""
     keep = len(accepted_nodes)
     contiguous = accepted_nodes == list(range(keep))  # path along the first nodes: a crop suffices
-    layers = _layers(cache)
-    if contiguous and layers and layers[0].keys is not None and layers[0].keys.shape[2] == prefix_len + keep:
-        return  # every node was kept in order (a one-token step, a chain accepted whole): nothing to move or cut
     idx = None
-    for layer in layers:
+    for layer in _layers(cache):
         keys, values = layer.keys, layer.values  # (B, kv_heads, prefix_len + q, head_dim)
+        if contiguous and keys.shape[2] == prefix_len + keep:
+            continue  # every node kept in order (a one-token step, a chain accepted whole): nothing to move or cut
         if not contiguous:
             if idx is None or idx.device != keys.device:
                 idx = torch.tensor(accepted_nodes, device=keys.device) + prefix_len

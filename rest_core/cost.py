@@ -56,8 +56,7 @@ if TYPE_CHECKING:
     from rest_core.model import LoadedModel
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
-CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63)
-_BUDGETS = np.array(CANDIDATE_BUDGETS)
+CANDIDATE_BUDGETS = np.array([0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63])  # draft sizes weighed
 BINS = np.array([0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.9, 1.0001])  # ratio bins (a node's share of its parent's rows)
 DEPTHS = 4  # depth cells: 1, 2, 3, 4 and deeper
 SUPPORT = np.array([0.0, 2.0, 4.0, 16.0])  # support cells: 1, 2-3, 4-15, 16+ rows through the node
@@ -113,8 +112,10 @@ class CostModel:
         return model
 
     # -- the cost curve ---------------------------------------------------------------
-    def forward_ms(self, q: int) -> float:
-        return float(np.interp(q, self.grid, self.times_ms))
+    def forward_ms(self, q: int | np.ndarray) -> float | np.ndarray:
+        """Time of a pass over q tokens (one q, or an array of them), interpolated on the curve."""
+        t = np.interp(q, self.grid, self.times_ms)
+        return float(t) if np.ndim(t) == 0 else t
 
     def relative_cost(self, q: int) -> float:
         """Cost of a q-token verify pass relative to a one-token pass."""
@@ -155,9 +156,9 @@ class CostModel:
         return order + 1, chance[order]
 
     def _best_budget(self, chance: np.ndarray) -> int:
-        budgets = _BUDGETS[_BUDGETS <= chance.size]  # (m,) 0 first
+        budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= chance.size]  # (m,) 0 first
         gain = np.concatenate([[0.0], np.cumsum(chance)])  # (n+1,) expected accepted drafts of the top b
-        rate = (1.0 + gain[budgets]) / np.interp(budgets + 1, self.grid, self.times_ms)  # (m,) tokens per ms
+        rate = (1.0 + gain[budgets]) / self.forward_ms(budgets + 1)  # (m,) tokens per ms
         return int(budgets[int(rate.argmax())])  # the first best: a tie goes to the smaller budget
 
     def choose(self, tree: DraftTree) -> int:

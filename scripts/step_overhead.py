@@ -29,6 +29,7 @@ from rest_core.bench.suites import load_suite
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
 from rest_core.machine import cpu_info
+from rest_core.model import load_model
 
 PHASES_AROUND = ("retrieve", "tree", "verify", "commit")  # a step's timed phases besides the forward pass
 
@@ -89,7 +90,6 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
-    from rest_core.model import load_model
     lm = load_model()
     static = open_default_store(lm.tokenizer, progress=False)
     answers = open_answers("default", lm.name, lm.tokenizer) if args.suite == "chat" else None

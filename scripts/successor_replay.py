@@ -39,6 +39,7 @@ from datastores.answer_prompts import answer_prompts
 from rest_core.bench.suites import load_suite
 from rest_core.decode import prefill
 from rest_core.model import encode_prompt, load_model
+from rest_core.sampling import greedy_choices, top_successors
 
 TOP = 8
 CHAIN = 8
@@ -50,9 +51,9 @@ def greedy_with_tops(lm, ids: list[int], max_new: int) -> tuple[list[int], list[
     cache = prefill(lm, ids)
     last, tokens, tops = ids[-1], [], []
     for _ in range(max_new):
-        logits = lm.forward(input_ids=torch.tensor([[last]], device=lm.device), cache=cache).logits[0, -1]
-        top = logits.topk(TOP).indices.tolist()
-        last = top[0]
+        logits = lm.forward(input_ids=torch.tensor([[last]], device=lm.device), cache=cache).logits[0, -1:]
+        top = top_successors(logits, TOP)[0].tolist()  # what the model source would learn here
+        last = greedy_choices(logits)[0]  # what plain greedy decoding emits
         tokens.append(last)
         tops.append(top)
         if last in lm.eos_token_ids:
@@ -60,35 +61,45 @@ def greedy_with_tops(lm, ids: list[int], max_new: int) -> tuple[list[int], list[
     return tokens, tops
 
 
-KEY_LEN = {"triple": 3, "pair": 2, "token": 1}
+class KeyedTables:
+    """What was recorded after the newest n tokens, for every n up to `longest` (dicts: no key is ever lost)."""
+
+    def __init__(self, longest: int):
+        self.by_len: list[dict[tuple[int, ...], object]] = [{} for _ in range(longest)]  # [n - 1]: keys of n
+
+    def find(self, ctx: list[int]) -> tuple[object, int]:
+        """What was recorded after the longest key seen, and that key's length (None, 0 when none was)."""
+        for n in range(len(self.by_len), 0, -1):
+            if len(ctx) >= n and (found := self.by_len[n - 1].get(tuple(ctx[-n:]))) is not None:
+                return found, n
+        return None, 0
+
+    def learn(self, ctx: list[int], value: object) -> None:
+        for n in range(1, min(len(self.by_len), len(ctx)) + 1):
+            self.by_len[n - 1][tuple(ctx[-n:])] = value
+
+
+# per replay: the longest key, and what each key length's hits are reported as
+REPLAYS = ((2, {2: "pair", 1: "token"}),  # as the model source looks up: the pair when seen, else the token
+           (3, {3: "triple", 2: "pair, no triple"}))  # with a table of triples tried first
 
 
 def replay(decodes: list[tuple[list[int], list[int], list[list[int]]]]) -> dict:
-    """Rank hit rates per kind of lookup, and tokens per step of one rank-0 chain per step.
-
-    "pair" and "token": looked up as the model source does (the pair when seen, else the token);
-    "triple" and "pair, no triple": with a table of triples tried first (what a third table would add)."""
+    """Rank hit rates per kind of lookup, and tokens per step of one rank-0 chain per step."""
     out = {}
-    for kinds, names in ((("pair", "token"), ("pair", "token")),
-                         (("triple", "pair"), ("triple", "pair, no triple"))):
-        tables: dict[str, dict[tuple[int, ...], list[int]]] = {kind: {} for kind in KEY_LEN}
-        hits = {kind: np.zeros(TOP + 1) for kind in kinds}
+    for longest, names in REPLAYS:
+        tables = KeyedTables(longest)
+        hits = {n: np.zeros(TOP + 1) for n in names}
         for prompt, tokens, tops in decodes:
             ctx = list(prompt)
             for tok, top in zip(tokens, tops):
-                for kind in (*kinds, "token"):  # the longest key seen answers
-                    row = tables[kind].get(tuple(ctx[-KEY_LEN[kind]:])) if len(ctx) >= KEY_LEN[kind] else None
-                    if row is not None:
-                        if kind in hits:
-                            hits[kind][row.index(tok) if tok in row else TOP] += 1
-                        break
-                for kind in KEY_LEN:
-                    if len(ctx) >= KEY_LEN[kind]:
-                        tables[kind][tuple(ctx[-KEY_LEN[kind]:])] = top
+                row, n = tables.find(ctx)
+                if n in hits:
+                    hits[n][row.index(tok) if tok in row else TOP] += 1
+                tables.learn(ctx, top)
                 ctx.append(tok)
-        for kind, name in zip(kinds, names):
-            h = hits[kind]
-            out[name] = (h[:TOP] / max(h.sum(), 1)).round(3).tolist() + [int(h.sum())]
+        for n, name in names.items():
+            out[name] = (hits[n][:TOP] / max(hits[n].sum(), 1)).round(3).tolist() + [int(hits[n].sum())]
     for longest in (1, 2, 3):
         out[f"chain tokens/step, keys up to {longest}"] = _chains(decodes, longest)
     return out
@@ -97,24 +108,21 @@ def replay(decodes: list[tuple[list[int], list[int], list[list[int]]]]) -> dict:
 def _chains(decodes, longest: int) -> float:
     """New tokens per step when each step drafts one chain of rank-0 successors, each looked up after the
     longest key (up to `longest` tokens) seen."""
-    tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(longest)]  # tables[n - 1]: keys of n tokens
+    tables = KeyedTables(longest)
     steps = new = 0
     for prompt, tokens, tops in decodes:
         ctx, i = list(prompt), 0
         while i < len(tokens):
             chain, accepted = list(ctx), 0
             while accepted < CHAIN and i + accepted < len(tokens):
-                guess = next((tables[n - 1][key] for n in range(longest, 0, -1)
-                              if len(chain) >= n and (key := tuple(chain[-n:])) in tables[n - 1]), None)
+                guess, _ = tables.find(chain)
                 if guess != tokens[i + accepted]:
                     break
                 chain.append(guess)
                 accepted += 1
             take = min(accepted + 1, len(tokens) - i)
             for j in range(i, i + take):  # the step commits these: the model's choice after each is learned
-                for n in range(1, longest + 1):
-                    if len(ctx) >= n:
-                        tables[n - 1][tuple(ctx[-n:])] = tops[j][0]
+                tables.learn(ctx, tops[j][0])
                 ctx.append(tokens[j])
             i += take
             steps += 1

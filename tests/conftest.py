@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny randomly initialised model (fast, exact in fp32) and the default model."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
@@ -100,6 +101,19 @@ class TinyTokenizer:
 def no_chooser(lm, stores, kind):
     """A budget-chooser factory for app tests that fix the draft budget: no cost model at all."""
     return None
+
+
+def load_module(path: Path, name: str):
+    """A file that is not part of a package (a script, the Hub folder's generate.py), loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def script(name: str):
+    """scripts/<name>.py as a module."""
+    return load_module(ROOT / "scripts" / f"{name}.py", name)
 
 
 def make_tiny_lm(vocab_size: int = 70_000, seed: int = 0, layers: int = 2, eos_token_id: int = 0,

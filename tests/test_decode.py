@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from rest_core.retrieve import RetrieveSettings
 from rest_core.sampling import Sampling, draw_token, next_token_probs
 from rest_core.tree import build_draft_tree, tree_mask, tree_positions
 
-from conftest import make_tiny_lm
+from conftest import make_tiny_lm, script
 from oracle import BruteForceStore, OracleLookup
 
 PROMPTS = [[5, 9, 69_999, 3], [65_536, 65_537, 12], [2], list(range(100, 140))]
@@ -345,11 +344,7 @@ def test_the_models_own_predictions_draft_and_greedy_stays_exact(tiny_lm):
 def test_the_step_overhead_script_splits_steps_with_and_without_a_draft(tiny_lm):
     """scripts/step_overhead.py on the tiny model: every step is counted once, under the kind its tree was,
     and its phases are the decoder's own timings."""
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "scripts" / "step_overhead.py"
-    spec = importlib.util.spec_from_file_location("step_overhead", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = script("step_overhead")
     dec = RestDecoder(tiny_lm, stores=assemble_stores(request=True, model=RecycleStore(tiny_lm.vocab_size)))
     cfg = DecodeConfig(max_new_tokens=24, draft_budget=4, stop_at_eos=False)
     prompts = [[5, 6, 7, 8], [5, 6, 7, 8]]  # the second learns from the first: some steps draft, some not

@@ -1,8 +1,6 @@
 """REST as transformers' decoding loop: model.generate(..., custom_generate=rest_generate)."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import transformers.generation.utils as hf_utils
@@ -12,7 +10,7 @@ from transformers.generation.streamers import BaseStreamer
 from datastores import RecycleStore, assemble_stores
 from rest_core.hf_generate import rest_generate
 
-from conftest import ROOT, make_tiny_lm
+from conftest import ROOT, load_module, make_tiny_lm
 from oracle import BruteForceStore
 
 
@@ -119,10 +117,7 @@ def test_return_dict_in_generate_gives_the_usual_output(tiny):
 
 def hub_generate():
     """custom_generate/generate.py, loaded as transformers loads it from a repository."""
-    spec = importlib.util.spec_from_file_location("rest_hub_generate", ROOT / "custom_generate" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.generate
+    return load_module(ROOT / "custom_generate" / "generate.py", "rest_hub_generate").generate
 
 
 def test_the_hub_folder_streams_what_generate_streams(tiny, monkeypatch):

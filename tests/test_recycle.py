@@ -8,6 +8,8 @@ from datastores import DatastoreError, RecycleStore, open_recycle
 from datastores.recycle import PAIR_PRIOR, PAIR_SLOTS, ROW_SCALE, TOKEN_PRIOR
 from rest_core.tree import build_draft_tree
 
+from conftest import script
+
 
 def trained() -> RecycleStore:
     store = RecycleStore(vocab_size=50, k=4)
@@ -180,7 +182,7 @@ def test_a_pairs_slot_is_the_same_whether_hashed_alone_or_with_others():
 def test_the_successor_replay_counts_pair_and_token_hits_apart():
     """scripts/successor_replay.py (where the model source's priors come from) on a made-up answer: the
     pair (1, 2) recurs and is followed by 3 both times; token 2 also appears after 7, followed by 9."""
-    replay_mod = _replay_module()
+    replay_mod = script("successor_replay")
     prompt, tokens = [1], [2, 3, 7, 2, 9, 1, 2, 3]
     tops = [[t] + [90 + r for r in range(7)] for t in tokens]  # greedy: rank 0 is the token emitted there
     out = replay_mod.replay([(prompt, tokens, tops)])
@@ -201,7 +203,7 @@ def test_the_successor_replay_counts_pair_and_token_hits_apart():
 def test_the_successor_replay_counts_a_triple_that_tells_two_contexts_of_a_pair_apart():
     """(2, 3) is followed by 4 after 1 and by 8 after 7; when 1 2 3 comes back, the triple says 4 (right)
     where the pair's latest successor says 8."""
-    replay_mod = _replay_module()
+    replay_mod = script("successor_replay")
     prompt, tokens = [1], [2, 3, 4, 7, 2, 3, 8, 1, 2, 3, 4]
     tops = [[t] + [90 + r for r in range(7)] for t in tokens]
     out = replay_mod.replay([(prompt, tokens, tops)])
@@ -216,12 +218,3 @@ def test_the_successor_replay_counts_a_triple_that_tells_two_contexts_of_a_pair_
     assert chains["chain tokens/step, keys up to 1"] == chains["chain tokens/step, keys up to 2"] == round(12 / 9, 3)
     assert chains["chain tokens/step, keys up to 3"] == round(12 / 8, 3)
 
-
-def _replay_module():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "scripts" / "successor_replay.py"
-    spec = importlib.util.spec_from_file_location("successor_replay", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
