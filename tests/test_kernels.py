@@ -242,3 +242,26 @@ def test_the_command_line_knows_the_verify_suite_and_the_side_by_side_switch():
     with pytest.raises(ValueError, match="not available"):  # a variant of an unknown method is refused
         run_benchmark(make_tiny_lm(layers=1), [BenchPrompt("p", "p", (1, 2))], DecodeConfig(max_new_tokens=2),
                       ["rest_nothing@default"], None, None, progress=False)
+
+
+def test_the_compile_probe_times_every_mode_side_by_side_and_puts_inductor_back():
+    """scripts/compile_probe.py on a tiny model's MLPs: eager is the reference (no compile time, no
+    difference), compiled layers give eager's numbers to float rounding, every row count is timed per
+    mode, and Inductor's settings are as they were afterwards."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    from conftest import script
+    module = script("compile_probe")
+    lm = make_tiny_lm(layers=2)
+    mlps = [layer.mlp for layer in lm.model.model.layers]
+    before = (inductor.max_autotune_gemm_backends, inductor.freezing, torch._dynamo.config.recompile_limit)
+    out = module.measure(mlps, lm.model.config.hidden_size, modes=("eager", "default"), rows=(1, 3), rounds=2)
+    assert set(out) == {"eager", "default"}
+    assert out["eager"]["compile_s"] == 0.0 and out["eager"]["max_diff"] == 0.0
+    assert out["default"]["compile_s"] > 0 and out["default"]["max_diff"] < 1e-4
+    for mode in out.values():
+        assert set(mode["ms"]) == {1, 3} and all(0 < ms < float("inf") for ms in mode["ms"].values())
+    assert (inductor.max_autotune_gemm_backends, inductor.freezing, torch._dynamo.config.recompile_limit) == before
+    with pytest.raises(ValueError, match="unknown mode"):
+        module.measure(mlps, 64, modes=("fast",))
