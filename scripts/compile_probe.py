@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch._dynamo
+import torch._inductor.config as inductor
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,9 +44,6 @@ _LIMITS = ("recompile_limit", "accumulated_recompile_limit", "cache_size_limit",
 @contextmanager
 def _inductor_settings(mode: str):
     """Inductor's settings for a mode, put back as they were afterwards."""
-    import torch._dynamo
-    import torch._inductor.config as inductor
-
     dynamo = torch._dynamo.config
     limits = [name for name in _LIMITS if hasattr(dynamo, name)]
     saved = ({name: getattr(dynamo, name) for name in limits}, inductor.max_autotune_gemm_backends, inductor.freezing)
@@ -127,6 +126,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model id or folder (default: the built-in model)")
     args = ap.parse_args()
     os.environ["REST_LAB_KERNELS"] = "default"  # transformers' own layers, untouched by the kernel choice
+    from rest_core.bench.report import cpu_line
     from rest_core.machine import cpu_info
     from rest_core.model import load_model
 
@@ -134,8 +134,7 @@ def main() -> None:
     mlps = [layer.mlp for layer in lm.model.model.layers]
     hidden = lm.model.config.hidden_size
     out = measure(mlps, hidden, args.modes, args.rows, args.rounds)
-    info = cpu_info()
-    print(f"{info['cpu']} ({info['cpu_vendor']}, torch uses {info['cpu_capability']}), torch {torch.__version__}, "
+    print(f"{cpu_line(cpu_info())}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}; {len(mlps)} MLPs of {lm.name}, fastest of {args.rounds} rounds")
     ref = "eager" if "eager" in args.modes else args.modes[0]
     base = out[ref]["ms"][args.rows[0]]

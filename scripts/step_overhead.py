@@ -25,13 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datastores import HistoryStore, RecycleStore, assemble_stores, open_answers, open_default_store
+from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import load_suite
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
 from rest_core.machine import cpu_info
 from rest_core.model import load_model
+from rest_core.phases import PHASES
 
-PHASES_AROUND = ("retrieve", "tree", "verify", "commit")  # a step's timed phases besides the forward pass
+PHASES_AROUND = tuple(p for p in PHASES if p != "forward")  # a step's timed phases besides the forward pass
 
 
 class _TimedChooser:
@@ -101,8 +103,7 @@ def main() -> None:
     decoder.generate(list(prompts[0]), DecodeConfig(max_new_tokens=16))  # warm-up
     out = measure(decoder, prompts, DecodeConfig(max_new_tokens=args.max_new_tokens))
     plain = out["plain_ms_per_step"]
-    info = cpu_info()
-    print(f"{info['cpu']} ({info['cpu_vendor']}, torch uses {info['cpu_capability']}), torch threads "
+    print(f"{cpu_line(cpu_info())}, torch threads "
           f"{torch.get_num_threads()}")
     print(f"plain: {plain:.2f} ms per step")
     for kind in ("no draft", "with draft"):

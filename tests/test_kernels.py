@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
+import torch._dynamo
+import torch._inductor.config as inductor
 from transformers import DynamicCache
 
 import rest_core.kernels as kernels
@@ -19,7 +22,7 @@ from rest_core.bench.verify_pass import cost_curves, verify_markdown
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
 from rest_core.kernels import KERNELS, ROWS, KernelChoice, TunedLinear, kernels_mode, row_table, tune_linears
 
-from conftest import make_tiny_lm
+from conftest import make_tiny_lm, script
 from oracle import BruteForceStore
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -248,12 +251,6 @@ def test_the_compile_probe_times_every_mode_side_by_side_and_puts_inductor_back(
     """scripts/compile_probe.py on a tiny model's MLPs: eager is the reference (no compile time, no
     difference), compiled layers give eager's numbers to float rounding, every row count is timed per
     mode, and Inductor's settings are as they were afterwards."""
-    import shutil
-
-    import torch._dynamo
-    import torch._inductor.config as inductor
-
-    from conftest import script
     if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
         pytest.skip("torch.compile on the CPU needs a C++ compiler, and this machine has none")
     module = script("compile_probe")
