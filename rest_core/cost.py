@@ -24,6 +24,13 @@ little, and learning wins within a few decodes.  Nodes are kept best chance firs
 budget over one that merely retrieved more.  When no tree pays for its cost, b = 0
 is a plain step, so REST never runs slower than plain decoding by design.
 
+The cells say how often drafts like these landed over many requests; how predictable the
+answer in hand is differs from request to request.  So within a request (`begin_request`,
+called by the decoder) each source's chances are scaled by how its drafts did so far:
+(accepted + REQUEST_WEIGHT) / (expected + REQUEST_WEIGHT), summed over its nodes put to the test
+in this request, the expected ones being the cells' chances.  A request whose drafts keep
+missing drafts less after a few misses, one that is copying text drafts more.
+
 The counts are kept between runs per model, per store (its label: the Python
 store, the general-text store, the request store, ...) and per kind of text being
 decoded (`kind`: "chat" or "text", told by the caller), so a store that joins a
@@ -65,6 +72,8 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior in each cell: learnin
 PRIOR_SCALE = 0.4  # the prior: this fraction of the ratio
 MAX_COUNT = 5000.0  # per cell: older observations fade so the calibration keeps adapting
 STATS_VERSION = 3  # 3: the model source drafts from pairs of tokens too (its cells mean other things)
+REQUEST_WEIGHT = 4.0  # expected acceptances behind each request's correction: a few steps move it
+MAX_CHANCE = 0.99  # a corrected conditional chance stays below certainty
 
 
 @dataclass
@@ -80,6 +89,8 @@ class CostModel:
     labels: dict[str, str] = field(default_factory=dict)  # source name -> the store's label (the key on disk)
     kind: str = ""  # what is being decoded: "chat", "text" ("" = not told); acceptance is kept per kind
     _recent: dict = field(default_factory=dict, repr=False)
+    # per draft source, in the request being decoded: (accepted, expected by the cells) of its tested nodes
+    _request: dict = field(default_factory=dict, repr=False)
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -129,17 +140,36 @@ class CostModel:
             got = self.counts[source] = np.zeros(SHAPE)
         return got
 
-    def conditional(self, tree: DraftTree) -> np.ndarray:
-        """(n,) each draft node's calibrated chance of being accepted once its parent was."""
-        ratio, cells, sources = _cells(tree)
+    def begin_request(self) -> None:
+        """A new request starts: the correction learned on the last one is dropped."""
+        self._request = {}
+
+    def request_factor(self, source: str) -> float:
+        """How much better (> 1) or worse than its cells a source's drafts did in this request."""
+        accepted, expected = self._request.get(source, (0.0, 0.0))
+        return (accepted + REQUEST_WEIGHT) / (expected + REQUEST_WEIGHT)
+
+    def _from_cells(self, tree: DraftTree, cells=None) -> tuple[np.ndarray, np.ndarray]:
+        """(n,) each draft node's chance of being accepted once its parent was, by its cell alone, and
+        (n,) its source name."""
+        ratio, idx_all, sources = cells if cells is not None else _cells(tree)
         drafted = np.zeros(len(sources))
         accepted = np.zeros(len(sources))
         for name in set(tree.sources[1:]):
             rows = sources == name
             c = self._counts(name)
-            idx = tuple(cell[rows] for cell in cells)
+            idx = tuple(cell[rows] for cell in idx_all)
             drafted[rows], accepted[rows] = c[0][idx], c[1][idx]
-        return (accepted + PRIOR_WEIGHT * PRIOR_SCALE * ratio) / (drafted + PRIOR_WEIGHT)
+        return (accepted + PRIOR_WEIGHT * PRIOR_SCALE * ratio) / (drafted + PRIOR_WEIGHT), sources
+
+    def conditional(self, tree: DraftTree) -> np.ndarray:
+        """(n,) each draft node's calibrated chance of being accepted once its parent was: its cell's,
+        corrected by how its source did in this request."""
+        chance, sources = self._from_cells(tree)
+        if self._request:
+            for name in set(tree.sources[1:]):
+                chance[sources == name] *= self.request_factor(name)
+        return np.minimum(chance, MAX_CHANCE)
 
     def ranked(self, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
         """Draft nodes (1-based) best first, and each one's chance of being accepted: the product of the
@@ -178,7 +208,9 @@ class CostModel:
         """Learn from one verified step: which nodes were accepted, and what the pass cost."""
         q = len(tree)
         if q > 1:
-            _, cells, sources = _cells(tree)
+            found = _cells(tree)
+            _, cells, sources = found
+            expected, _ = self._from_cells(tree, found)  # the cells' chances before this step joins them
             taken = np.zeros(q, dtype=bool)
             taken[[0, *accepted_nodes]] = True  # the root is always "accepted"
             seen = taken[tree.parents[1:]]  # (q-1,) the parent was accepted: this node was put to the test
@@ -187,6 +219,8 @@ class CostModel:
                 rows = (sources == name) & seen
                 if not rows.any():
                     continue
+                accepted, predicted = self._request.get(name, (0.0, 0.0))
+                self._request[name] = (accepted + float(hit[rows].sum()), predicted + float(expected[rows].sum()))
                 c = self._counts(name)
                 idx = tuple(cell[rows] for cell in cells)
                 np.add.at(c[0], idx, 1.0)

@@ -301,7 +301,8 @@ class RestDecoder:
     Every store is told where each request stands (begin / extend / end), so the request
     store follows the answer and the history store learns finished answers.
     `budget_chooser` (a cost.CostModel) picks the draft size per step when the config
-    leaves draft_budget to it; without one the budget is DEFAULT_BUDGET.
+    leaves draft_budget to it, told when each request begins (`begin_request`) and what every
+    step accepted (`observe`); without one the budget is DEFAULT_BUDGET.
     """
 
     def __init__(self, lm: LoadedModel, stores: Sequence[Store] = (), budget_chooser=None):
@@ -340,6 +341,8 @@ class RestDecoder:
             (chooser.max_budget if chooser is not None else DEFAULT_BUDGET)
         for store in self.stores:
             store.begin(prompt, cfg.retrieve.n_max, cfg.retrieve.n_min)
+        if chooser is not None:
+            chooser.begin_request()
         start = time.perf_counter()
         cache = prefill(lm, prompt)
         _sync(lm.device)

@@ -7,7 +7,9 @@ import numpy as np
 
 import rest_core.cost as cost
 import rest_core.machine as machine
+from datastores import assemble_stores
 from rest_core.cost import GRID, CostModel, monotone_fit
+from rest_core.decode import DecodeConfig, RestDecoder
 from rest_core.tree import build_draft_tree
 
 from oracle import OracleLookup
@@ -288,3 +290,61 @@ def test_real_passes_off_the_grid_refresh_the_sizes_around_them():
         model.observe(build_draft_tree(1, [OracleLookup("static", 4, 10, np.arange(80)[None] + 100)], budget=80),
                       [0], forward_ms=1000.0)
     assert model.times_ms[-1] == 50.0 + 63.0
+
+
+def test_a_request_whose_drafts_keep_missing_drafts_less_until_the_next_request():
+    rows = np.array([[11, 12, 13]] * 8 + [[21, 22, 23]] * 2)
+    static_tree = build_draft_tree(1, [OracleLookup("static", 3, 10, rows)], budget=63)
+    request_tree = build_draft_tree(1, [OracleLookup("request", 3, 10, rows)], budget=63)
+    model = CostModel(times_ms=curve(50.0, 1.0))
+    model.begin_request()
+    factors = []
+    for _ in range(6):  # this request: every static draft missed
+        model.observe(static_tree, [0], forward_ms=52.0)
+        factors.append(model.request_factor("static"))
+    assert all(b < a for a, b in zip([1.0, *factors], factors)) and factors[-1] < 0.75
+    assert model.request_factor("request") == 1.0
+    within = model.conditional(static_tree)
+    model.begin_request()  # the next request starts from the cells alone (which did learn the misses)
+    assert model.request_factor("static") == 1.0
+    cells_only = model.conditional(static_tree)
+    assert (within < cells_only).all()
+    assert np.allclose(model.conditional(request_tree), CostModel(times_ms=curve(50.0, 1.0)).conditional(request_tree))
+
+
+def test_a_request_whose_drafts_land_more_than_their_cells_say_drafts_more_never_above_certainty():
+    rows = np.array([[11, 12, 13, 14]] * 3 + [[21, 22, 23, 24]] * 7)  # the drafts the rows agree on least...
+    tree = build_draft_tree(1, [OracleLookup("request", 3, 10, rows)], budget=63)
+    minority = [n for n in range(1, len(tree)) if tree.tokens[n] in (11, 12, 13, 14)]
+    model = CostModel(times_ms=curve(50.0, 6.0))
+    model.begin_request()
+    first = model.choose(tree)
+    for _ in range(8):  # ...are what the model says, step after step
+        model.observe(tree, [0, *minority], forward_ms=60.0)
+    assert model.request_factor("request") > 1.25
+    within, drafted = model.conditional(tree), model.choose(tree)
+    assert within.max() <= cost.MAX_CHANCE
+    model.begin_request()
+    cells_only = model.conditional(tree)
+    assert (within >= cells_only).all() and (within > cells_only).any()
+    assert drafted >= model.choose(tree) and drafted > first
+
+
+def test_the_decoder_starts_every_request_with_a_fresh_correction(tiny_lm):
+    class Counting(CostModel):
+        begun = 0
+
+        def begin_request(self) -> None:
+            Counting.begun += 1
+            super().begin_request()
+
+    chooser = Counting(times_ms=np.linspace(10.0, 40.0, len(GRID)))
+    chooser._request["request"] = (0.0, 50.0)  # what a previous request left
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(), budget_chooser=chooser)
+    dec.generate([5, 6, 7, 5, 6, 7, 5, 6], DecodeConfig(max_new_tokens=4))
+    dec.generate([5, 6, 7], DecodeConfig(max_new_tokens=4))
+    assert Counting.begun == 2
+    assert chooser.request_factor("request") != 4.0 / 54.0
+    fixed = RestDecoder(tiny_lm, stores=assemble_stores(), budget_chooser=chooser)
+    fixed.generate([5, 6, 7], DecodeConfig(max_new_tokens=4, draft_budget=2))  # a fixed budget asks no chooser
+    assert Counting.begun == 2
