@@ -199,10 +199,21 @@ class CostModel:
 
     def select(self, tree: DraftTree) -> DraftTree:
         """The tree cut to the nodes worth their cost: the best `choose(tree)` of `ranked(tree)`."""
+        return self.decide(tree)[0]
+
+    def decide(self, tree: DraftTree) -> tuple[DraftTree, Optional[dict]]:
+        """`select(tree)` and why (None when there was nothing to choose from): the candidate draft nodes,
+        the ones kept, the accepted drafts expected of them, the pass's cost relative to a one-token pass,
+        and each candidate source's correction in this request."""
         if tree.draft_size == 0:
-            return tree
+            return tree, None
         order, chance = self.ranked(tree)
-        return keep_nodes(tree, order[:self._best_budget(chance)])
+        budget = self._best_budget(chance)
+        why = {"candidates": int(tree.draft_size), "kept": budget,
+               "expected_accepted": round(float(chance[:budget].sum()), 4),
+               "relative_cost": round(self.relative_cost(budget + 1), 4),
+               "request_factors": {name: round(self.request_factor(name), 4) for name in sorted(set(tree.sources[1:]))}}
+        return keep_nodes(tree, order[:budget]), why
 
     def observe(self, tree: DraftTree, accepted_nodes: list[int], forward_ms: float) -> None:
         """Learn from one verified step: which nodes were accepted, and what the pass cost."""

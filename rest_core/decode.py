@@ -213,6 +213,7 @@ class Step:
     stop: Optional[str]  # "eos" | "length" when this step ends the decode
     timings_ms: dict[str, float]
     sampling: Sampling = Sampling()
+    budget_choice: Optional[dict] = None  # why the cost model kept what it kept (CostModel.decide)
 
     def node_probs(self, k: int = TOP_K) -> dict:
         """The StepTrace probability fields: per node the probability of its token at its parent (None at
@@ -247,7 +248,8 @@ class Step:
             position_ids=self.positions[0].tolist(), mask=mask, model_choices=list(verdict.model_choices[:q]),
             accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
             new_tokens=list(self.new_tokens), timings_ms=dict(self.timings_ms),
-            **self.node_probs(), uniforms={node: u for node, (u, _) in self.verdict.draws.items()})
+            **self.node_probs(), uniforms={node: u for node, (u, _) in self.verdict.draws.items()},
+            budget_choice=self.budget_choice)
 
 
 def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: Sequence[Store], cfg: DecodeConfig,
@@ -262,8 +264,10 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
     with timer("tree"):
         tree = build_draft_tree(context[-1], lookups, budget, dict(cfg.source_weights)) if lookups \
             else root_only(context[-1])
+        why = None
         if chooser is not None:
-            tree = chooser.select(tree)
+            decide = getattr(chooser, "decide", None)  # a cost model says why; a recorded pick only selects
+            tree, why = decide(tree) if decide is not None else (chooser.select(tree), None)
             budget = tree.draft_size
     with timer("forward"):
         logits, positions, mask = tree_forward(lm, tree, prefix_len, cache)
@@ -278,7 +282,7 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
         for store in stores:
             store.extend(new)
     return Step(prefix_len, query, lookups, budget, tree, positions, mask, logits, verdict, new, stop, timer.ms,
-                cfg.sampling)
+                cfg.sampling, why)
 
 
 def _teach(stores: Sequence[Store], tree: DraftTree, logits: torch.Tensor, before_root: int) -> None:

@@ -57,6 +57,9 @@ class StepTrace:
     top_tokens: list[list[int]] = field(default_factory=list)  # per node: the model's likeliest next tokens
     top_probs: list[list[float]] = field(default_factory=list)  # per node: their probabilities
     uniforms: dict[int, float] = field(default_factory=dict)  # sampling: visited node -> the uniform drawn there
+    # the cost model's choice (rest_core.cost.CostModel.decide): candidates, kept, expected_accepted,
+    # relative_cost, request_factors; None when no cost model chose (a fixed budget, nothing retrieved)
+    budget_choice: Optional[dict] = None
 
     @property
     def draft_size(self) -> int:

@@ -643,3 +643,26 @@ def test_the_budget_learns_per_kind_of_prompt(engine, session):
     chat, text = slot.chooser(stores, kind="chat"), slot.chooser(stores, kind="text")
     assert chat is not text and chat.kind == "chat" and text.kind == "text"
     assert slot.chooser(stores, kind="chat") is chat  # one per kind and set of stores, kept
+
+
+def test_explanation_says_why_the_cost_model_kept_what_it_kept():
+    node = {"node": 0, "parent": -1, "depth": 0, "token_text": "b", "accepted": 1, "model_choice_text": "x",
+            "chosen": None}
+    cut = {"step": 4, "draft_size": 0, "matched_len": {"static": 3}, "branches": [], "new_tokens": [7],
+           "bonus_text": "x", "accepted_sources": [], "query_text": "ab", "nodes": [node],
+           "budget_choice": {"candidates": 6, "kept": 0, "expected_accepted": 0.0, "relative_cost": 1.0,
+                             "request_factors": {"static": 0.62, "request": 1.01}}}
+    text = sup.explain_step(cut, {"settings": {}})
+    assert "offered 6 candidate draft tokens" in text and "kept none" in text and "ordinary one" in text
+    assert "landed 0.62× as often as its counts say" in text and "1.01" not in text  # ~1: not worth a word
+    assert "nothing to draft" not in text
+    kept = dict(cut, draft_size=2, budget_choice={"candidates": 9, "kept": 2, "expected_accepted": 0.84,
+                                                  "relative_cost": 1.12, "request_factors": {"request": 1.3}},
+                nodes=[node, {"node": 1, "parent": 0, "depth": 1, "token_text": "x", "accepted": 1,
+                              "model_choice_text": "y", "chosen": 1},
+                       {"node": 2, "parent": 1, "depth": 2, "token_text": "z", "accepted": 0,
+                        "model_choice_text": "w", "chosen": 0}],
+                accepted_sources=["request"], new_tokens=[7, 8])
+    text = sup.explain_step(kept, {"settings": {}})
+    assert "Of 9 candidate draft tokens the cost model kept 2" in text and "expected 0.84" in text
+    assert "1.12× a one-token pass" in text and "landed 1.30×" in text

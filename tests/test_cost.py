@@ -348,3 +348,23 @@ def test_the_decoder_starts_every_request_with_a_fresh_correction(tiny_lm):
     fixed = RestDecoder(tiny_lm, stores=assemble_stores(), budget_chooser=chooser)
     fixed.generate([5, 6, 7], DecodeConfig(max_new_tokens=4, draft_budget=2))  # a fixed budget asks no chooser
     assert Counting.begun == 2
+
+
+def test_the_decoder_reports_why_the_cost_model_kept_what_it_kept(tiny_lm):
+    chooser = CostModel(times_ms=np.linspace(10.0, 40.0, len(GRID)))
+    request = np.array([5, 6, 7, 8, 9] * 6)  # a repetitive prompt: the request store drafts
+    steps = []
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(), budget_chooser=chooser)
+    dec.generate(list(request), DecodeConfig(max_new_tokens=12), hook=steps.append)
+    chosen = [s for s in steps if s.budget_choice is not None]
+    assert chosen, "the request store drafted at some step"
+    for s in chosen:
+        why = s.budget_choice
+        assert why["kept"] == len(s.tree_tokens) - 1 <= why["candidates"]
+        assert why["relative_cost"] >= 1.0 and why["expected_accepted"] >= 0.0
+        assert set(why["request_factors"]) <= {"request"}
+    nothing = [s for s in steps if s.budget_choice is None]
+    assert all(len(s.tree_tokens) == 1 for s in nothing)
+    fixed = []
+    dec.generate(list(request), DecodeConfig(max_new_tokens=6, draft_budget=3), hook=fixed.append)
+    assert all(s.budget_choice is None for s in fixed), "a fixed budget: no cost model chose"

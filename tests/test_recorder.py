@@ -106,6 +106,10 @@ def make_trace(rng: random.Random, *, step: int = 0, prefix_len: int = 12, n_nod
         new_tokens=[tokens[i] for i in path[1:]] + [bonus],
         timings_ms={p: round(rng.uniform(0.1, 60.0), 3) for p in PHASES},
         **model_probs(tokens, parents, choices, path),
+        budget_choice=None if rng.random() < 0.5 else {
+            "candidates": n - 1 + rng.randint(0, 9), "kept": n - 1, "expected_accepted": round(rng.uniform(0, n), 4),
+            "relative_cost": round(rng.uniform(1, 2), 4), "request_factors": {s: round(rng.uniform(0.3, 2), 4)
+                                                                              for s in SOURCES[:2]}},
     )
 
 
@@ -428,3 +432,23 @@ def test_a_failed_commit_rolls_back_and_the_recorder_goes_on(rec):
     assert rec.db.execute("SELECT count(*) FROM steps").fetchone()[0] == 0
     run_id = record_run(rec, [make_trace(random.Random(23))])  # the next write works
     assert rec.step_count(run_id) == 1
+
+
+def test_a_store_written_before_the_budget_choice_column_gains_it_and_keeps_its_steps(tmp_path):
+    path = tmp_path / "old.sqlite"
+    rec = TraceRecorder(path)
+    t = make_trace(random.Random(5), n_nodes=4)
+    t.budget_choice = None
+    old_run = record_run(rec, [t])
+    rec.close()
+    with sqlite3.connect(path) as conn:  # the steps table as it was before the column existed
+        conn.execute("ALTER TABLE steps DROP COLUMN budget_choice")
+    rec = TraceRecorder(path)
+    assert rec.load_step(old_run, 0)["budget_choice"] is None
+    t2 = make_trace(random.Random(6), n_nodes=5)
+    t2.budget_choice = {"candidates": 9, "kept": 4, "expected_accepted": 1.5, "relative_cost": 1.2,
+                        "request_factors": {"static": 0.7}}
+    new_run = record_run(rec, [t2])
+    assert rec.load_step(new_run, 0)["budget_choice"] == t2.budget_choice
+    assert rec.load_trace(new_run, 0).budget_choice == t2.budget_choice
+    rec.close()

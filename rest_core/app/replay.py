@@ -208,12 +208,33 @@ def _drafted_by(sources: list) -> str:
     return " and ".join(words) if words else "the stores"
 
 
+def budget_sentence(choice: Optional[dict]) -> str:
+    """Why the cost model kept what it kept at a step (its recorded `budget_choice`), or "" when it did not
+    choose."""
+    if not choice or not choice.get("candidates"):
+        return ""
+    kept, candidates = int(choice["kept"]), int(choice["candidates"])
+    factors = [(src, f) for src, f in (choice.get("request_factors") or {}).items() if abs(f - 1.0) >= 0.05]
+    so_far = ("; so far in this answer, drafts from " + ", ".join(
+        f"{source_words(src)} landed {f:.2f}× as often as its counts say" for src, f in factors)) if factors else ""
+    if kept == 0:
+        return (f" The stores offered {candidates} candidate draft token{'s' if candidates != 1 else ''}, but the "
+                f"cost model, which weighs each one's chance of being accepted against what a larger pass costs on "
+                f"this machine, kept none{so_far}.")
+    return (f" Of {candidates} candidate draft token{'s' if candidates != 1 else ''} the cost model kept {kept}: "
+            f"it expected {choice['expected_accepted']:.2f} of them to be accepted, for a pass costing "
+            f"{choice['relative_cost']:.2f}× a one-token pass{so_far}.")
+
+
 def _tree_sentence(step: dict, run: dict) -> str:
     """How the draft tree was built and checked, and where the model parted from it."""
     nodes, drafted = step["nodes"], step["draft_size"]
+    why = budget_sentence(step.get("budget_choice"))
     if drafted == 0:
         return ("With nothing to draft, the step was an ordinary one: a single forward pass produced one "
-                f"token, “{token_html(step['bonus_text'])}”.")
+                f"token, “{token_html(step['bonus_text'])}”.") if not why else \
+            (f"{why.strip()} The step was an ordinary one: a single forward pass produced one token, "
+             f"“{token_html(step['bonus_text'])}”.")
     budget = (run.get("settings") or {}).get("draft_budget", "auto")
     budget_text = "chosen by the cost model" if budget in ("auto", None) else f"at most {budget}"
     fwd = step.get("t_forward_ms")
@@ -231,7 +252,7 @@ def _tree_sentence(step: dict, run: dict) -> str:
     return (f"These were merged into a draft tree of {drafted} tokens (budget {budget_text}) hanging "
             f"from the last committed token “{token_html(nodes[0]['token_text'])}”, and the model checked every "
             f"branch in one forward pass over {drafted + 1} tokens{fwd_text}, each attending only to the prefix "
-            f"and its own ancestors. {agree}; {stop}: that bonus token comes from the model itself.")
+            f"and its own ancestors.{why} {agree}; {stop}: that bonus token comes from the model itself.")
 
 
 def _probability_sentence(step: dict) -> str:

@@ -35,6 +35,9 @@ TABLES = {
         "accepted_sources": "JSON: the draft source of each committed draft token",
         "tree_mask": "the q x q tree block of the mask the model received: one string of 0/1 per node, 1 = may attend",
         **{f"t_{p}_ms": f"milliseconds in the {p} phase: {PHASE_NOTES[p]}" for p in PHASES},
+        "budget_choice": "JSON: the cost model's choice: candidate draft nodes, the ones kept, the accepted drafts "
+                         "expected of them, the pass's cost relative to a one-token pass, each source's correction "
+                         "in this request (NULL when it did not choose)",
     }),
     "draft_nodes": ("One row per node of a step's draft tree (node 0 = the root, the last committed token).", {
         "source": "the draft source contributing most to this node: static, request, history, model, ...",

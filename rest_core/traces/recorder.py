@@ -38,6 +38,7 @@ from rest_core.traces.liveness import process_alive, process_start
 from rest_core.traces.masks import decode_block, full_mask
 from rest_core.traces.rows import (
     ADDED_NODE_COLUMNS,
+    ADDED_STEP_COLUMNS,
     BRANCH_COLUMNS,
     NODE_COLUMNS,
     STEP_COLUMNS,
@@ -100,7 +101,8 @@ CREATE TABLE IF NOT EXISTS steps (
     position_ids TEXT,      -- JSON
     tree_mask TEXT NOT NULL, -- JSON list of q strings of 0/1: the q x q tree block
     mask_dtype TEXT NOT NULL,
-""" + "".join(f"    t_{p}_ms REAL,\n" for p in PHASES) + """    PRIMARY KEY (run_id, step)
+""" + "".join(f"    t_{p}_ms REAL,\n" for p in PHASES) + """    budget_choice TEXT,     -- JSON: why
+    PRIMARY KEY (run_id, step)
 );
 CREATE TABLE IF NOT EXISTS draft_nodes (
     run_id INTEGER NOT NULL,
@@ -179,6 +181,7 @@ class TraceRecorder:
                 if statement.strip():
                     conn.execute(statement)
             _add_missing_columns(conn, "draft_nodes", ADDED_NODE_COLUMNS)
+            _add_missing_columns(conn, "steps", ADDED_STEP_COLUMNS)
         self.mark_interrupted()
 
     # -- connections: one per thread, reopened after a fork

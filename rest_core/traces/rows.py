@@ -115,7 +115,8 @@ STEP_COLUMNS = (
     "run_id", "step", "prefix_len", "query", "matched_len", "draft_size", "accepted_len",
     "bonus_token", "bonus_text", "new_tokens", "new_texts", "accepted_sources",
     "position_ids", "tree_mask", "mask_dtype",
-) + tuple(f"t_{p}_ms" for p in PHASES)
+) + tuple(f"t_{p}_ms" for p in PHASES) + ("budget_choice",)
+ADDED_STEP_COLUMNS = {"budget_choice": "TEXT"}
 NODE_COLUMNS = (
     "run_id", "step", "node", "parent", "depth", "token_id", "token_text", "score", "source",
     "model_choice", "model_choice_text", "chosen", "accepted",
@@ -125,7 +126,8 @@ ADDED_NODE_COLUMNS = {"prob": "REAL", "choice_prob": "REAL", "top_tokens": "TEXT
                       "top_probs": "TEXT", "uniform": "REAL"}
 BRANCH_COLUMNS = ("run_id", "step", "branch", "source", "tokens", "text", "count")
 JSON_COLUMNS = frozenset({"stores", "settings", "prompt_ids", "query", "matched_len", "new_tokens", "new_texts",
-                          "accepted_sources", "position_ids", "tokens", "top_tokens", "top_texts", "top_probs"})
+                          "accepted_sources", "position_ids", "tokens", "top_tokens", "top_texts", "top_probs",
+                          "budget_choice"})
 MAX_BRANCHES_PER_SOURCE = 32  # continuations stored per source and step (the most frequent ones)
 
 
@@ -191,7 +193,7 @@ def trace_rows(run_id: int, t: StepTrace, texts: TokenTexts) -> tuple[tuple, lis
         json.dumps([texts[x] for x in new_tokens]),
         json.dumps([t.tree_sources[n] for n in t.accepted_nodes[1:]]),
         ids_json(t.position_ids), encode_block(block), str(t.mask.dtype).removeprefix("torch."),
-    ) + tuple(timings.get(p) for p in PHASES)
+    ) + tuple(timings.get(p) for p in PHASES) + (None if t.budget_choice is None else json.dumps(t.budget_choice),)
     node_rows = []
     for i in range(q):
         parent = int(t.tree_parents[i])
@@ -259,7 +261,7 @@ def step_trace(step: StepDetail) -> StepTrace:
         accepted_nodes=[n["node"] for n in nodes if n["accepted"]],
         bonus_token=step["bonus_token"], new_tokens=step["new_tokens"],
         timings_ms={p: step[f"t_{p}_ms"] for p in PHASES if step[f"t_{p}_ms"] is not None},
-        **_stored_probs(nodes),
+        **_stored_probs(nodes), budget_choice=step.get("budget_choice"),
     )
 
 
