@@ -666,3 +666,18 @@ def test_explanation_says_why_the_cost_model_kept_what_it_kept():
     text = sup.explain_step(kept, {"settings": {}})
     assert "Of 9 candidate draft tokens the cost model kept 2" in text and "expected 0.84" in text
     assert "1.12× a one-token pass" in text and "landed 1.30×" in text
+
+
+def test_the_first_answer_after_start_waits_for_the_general_text_store_being_opened(tiny, tiny_store, tmp_path,
+                                                                                     session):
+    from datastores import TokenDatastore
+
+    def slow_open(slot, pause, st):  # opening takes a moment after the built-in store is ready
+        time.sleep(0.5)
+        return TokenDatastore.open(tiny_store.path, name="answers-tiny", source="answers")
+
+    engine = answers_engine(tiny, tiny_store, tmp_path / "t.sqlite", slow_open)
+    only = replace(TINY, static=sup.NO_STATIC, request_store=False, model_drafts=False, history_store=False,
+                   answers=sup.ANSWERS_ALWAYS)
+    first = run_turn(engine, session, only, PROMPT)[-1]  # asked for before the store finished opening
+    assert engine.recorder.get_run(first.run_id)["stores"] == ["answers:answers-tiny"]

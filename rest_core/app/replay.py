@@ -249,7 +249,8 @@ def _tree_sentence(step: dict, run: dict) -> str:
     stop = (f"then, where the draft offered {', '.join('“' + token_html(t) + '”' for t in offered)}, it chose "
             f"“{token_html(model_text)}” instead" if offered else
             f"then the draft ran out and the model added “{token_html(model_text)}”")
-    return (f"These were merged into a draft tree of {drafted} tokens (budget {budget_text}) hanging "
+    return (f"These were merged into a draft tree of {drafted} token{'s' if drafted != 1 else ''} "
+            f"(budget {budget_text}) hanging "
             f"from the last committed token “{token_html(nodes[0]['token_text'])}”, and the model checked every "
             f"branch in one forward pass over {drafted + 1} tokens{fwd_text}, each attending only to the prefix "
             f"and its own ancestors.{why} {agree}; {stop}: that bonus token comes from the model itself.")
