@@ -197,14 +197,11 @@ class CostModel:
             return 0
         return self._best_budget(self.ranked(tree)[1])
 
-    def select(self, tree: DraftTree) -> DraftTree:
-        """The tree cut to the nodes worth their cost: the best `choose(tree)` of `ranked(tree)`."""
-        return self.decide(tree)[0]
-
     def decide(self, tree: DraftTree) -> tuple[DraftTree, Optional[dict]]:
-        """`select(tree)` and why (None when there was nothing to choose from): the candidate draft nodes,
-        the ones kept, the accepted drafts expected of them, the pass's cost relative to a one-token pass,
-        and each candidate source's correction in this request."""
+        """The tree cut to the nodes worth their cost (the best `choose(tree)` of `ranked(tree)`), and why
+        (None when there was nothing to choose from): the candidate draft nodes, the ones kept, the accepted
+        drafts expected of them, the pass's cost relative to a one-token pass, and each candidate source's
+        correction in this request."""
         if tree.draft_size == 0:
             return tree, None
         order, chance = self.ranked(tree)

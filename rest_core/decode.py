@@ -266,8 +266,7 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
             else root_only(context[-1])
         why = None
         if chooser is not None:
-            decide = getattr(chooser, "decide", None)  # a cost model says why; a recorded pick only selects
-            tree, why = decide(tree) if decide is not None else (chooser.select(tree), None)
+            tree, why = chooser.decide(tree)
             budget = tree.draft_size
     with timer("forward"):
         logits, positions, mask = tree_forward(lm, tree, prefix_len, cache)
@@ -305,8 +304,9 @@ class RestDecoder:
     Every store is told where each request stands (begin / extend / end), so the request
     store follows the answer and the history store learns finished answers.
     `budget_chooser` (a cost.CostModel) picks the draft size per step when the config
-    leaves draft_budget to it, told when each request begins (`begin_request`) and what every
-    step accepted (`observe`); without one the budget is DEFAULT_BUDGET.
+    leaves draft_budget to it (`decide(tree)`: the cut tree and why), told when each request
+    begins (`begin_request`) and what every step accepted (`observe`); without one the budget is
+    DEFAULT_BUDGET.
     """
 
     def __init__(self, lm: LoadedModel, stores: Sequence[Store] = (), budget_chooser=None):

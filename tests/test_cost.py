@@ -333,18 +333,28 @@ def test_a_request_whose_drafts_land_more_than_their_cells_say_drafts_more_never
 def test_the_decoder_starts_every_request_with_a_fresh_correction(tiny_lm):
     class Counting(CostModel):
         begun = 0
+        events: list = []
 
         def begin_request(self) -> None:
             Counting.begun += 1
             super().begin_request()
+            Counting.events.append("begin")
+
+        def decide(self, tree):
+            Counting.events.append("decide with a leftover" if self._request.get("request") == (0.0, 50.0)
+                                   else "decide")
+            return super().decide(tree)
 
     chooser = Counting(times_ms=np.linspace(10.0, 40.0, len(GRID)))
     chooser._request["request"] = (0.0, 50.0)  # what a previous request left
     dec = RestDecoder(tiny_lm, stores=assemble_stores(), budget_chooser=chooser)
-    dec.generate([5, 6, 7, 5, 6, 7, 5, 6], DecodeConfig(max_new_tokens=4))
+    first = dec.generate([5, 6, 7, 5, 6, 7, 5, 6], DecodeConfig(max_new_tokens=4))
     dec.generate([5, 6, 7], DecodeConfig(max_new_tokens=4))
     assert Counting.begun == 2
     assert chooser.request_factor("request") != 4.0 / 54.0
+    # each request starts its correction before its first step decides: nothing left over reaches a step
+    assert Counting.events[0] == "begin" and Counting.events[1 + first.steps] == "begin"
+    assert "decide with a leftover" not in Counting.events and Counting.events.count("decide") >= first.steps
     fixed = RestDecoder(tiny_lm, stores=assemble_stores(), budget_chooser=chooser)
     fixed.generate([5, 6, 7], DecodeConfig(max_new_tokens=4, draft_budget=2))  # a fixed budget asks no chooser
     assert Counting.begun == 2

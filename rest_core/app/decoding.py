@@ -69,12 +69,12 @@ def static_store_for(engine: Engine, slot: ModelSlot, session: Session, settings
 def answers_store_for(engine: Engine, slot: ModelSlot, settings: Settings) -> Any:
     """The general-text store when the settings (and the prompt format) ask for it and it is ready; else None
     (while it is being built, the status line says so).  A store still being opened -- the first request
-    after the page starts, a few milliseconds after the built-in store -- is waited for as the built-in
-    store is, so that answer drafts from it too; a build under way (answers being generated) is not."""
+    after the page starts, a moment after the built-in store -- is waited for as the built-in store is, so
+    that answer drafts from it too; a build that is answering its requests (`total` set) is not."""
     if not settings.use_answers:
         return None
     st = engine.start_answers(slot)
-    if st.state == "building" and st.done == 0:
+    if st.state == "building" and not st.total:
         st.finished.wait(STORE_WAIT_S)
     return st.store if st.state == "ready" else None
 

@@ -48,7 +48,7 @@ class StoreSlot:
     finished: threading.Event = field(default_factory=threading.Event)
     failed_at: float = 0.0
     done: int = 0  # general-text store: requests answered so far
-    total: int = 0
+    total: int = 0  # general-text store: requests to answer, set when answering starts (0 while it is only opened)
 
 
 @dataclass
@@ -102,9 +102,9 @@ def default_answers_factory(slot: ModelSlot, pause: Callable[[], None], st: Stor
     if os.environ.get("REST_LAB_ANSWERS", "").strip().lower() in ("none", "off", "0"):
         return None
     lm = slot.lm
-    st.total = len(answer_prompts())
 
-    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:  # called only to build
+        st.total = st.total or len(answer_prompts())
         out = generate_batch(lm, prompts, max_new_tokens, between_steps=pause)
         st.done += len(prompts)
         return out

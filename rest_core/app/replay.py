@@ -231,10 +231,9 @@ def _tree_sentence(step: dict, run: dict) -> str:
     nodes, drafted = step["nodes"], step["draft_size"]
     why = budget_sentence(step.get("budget_choice"))
     if drafted == 0:
-        return ("With nothing to draft, the step was an ordinary one: a single forward pass produced one "
-                f"token, “{token_html(step['bonus_text'])}”.") if not why else \
-            (f"{why.strip()} The step was an ordinary one: a single forward pass produced one token, "
-             f"“{token_html(step['bonus_text'])}”.")
+        lead = f"{why.strip()} The step" if why else "With nothing to draft, the step"
+        return (f"{lead} was an ordinary one: a single forward pass produced one token, "
+                f"“{token_html(step['bonus_text'])}”.")
     budget = (run.get("settings") or {}).get("draft_budget", "auto")
     budget_text = "chosen by the cost model" if budget in ("auto", None) else f"at most {budget}"
     fwd = step.get("t_forward_ms")

@@ -124,14 +124,15 @@ class RecordedPick:
             paths[n["node"]] = () if n["parent"] < 0 else paths[n["parent"]] + (int(n["token_id"]),)
         self.paths = set(paths.values())
 
-    def select(self, tree: DraftTree) -> DraftTree:
+    def decide(self, tree: DraftTree) -> tuple[DraftTree, None]:
+        """The rebuilt tree cut to the recorded nodes, and no reasons (no cost model chose)."""
         paths: list[tuple[int, ...]] = [()]
         keep = []
         for i in range(1, len(tree)):
             paths.append(paths[int(tree.parents[i])] + (int(tree.tokens[i]),))
             if paths[i] in self.paths and (tree.parents[i] == 0 or int(tree.parents[i]) in keep):
                 keep.append(i)
-        return keep_nodes(tree, np.array(keep, dtype=np.int64))
+        return keep_nodes(tree, np.array(keep, dtype=np.int64)), None
 
 
 def replayed_sampling(run: dict, steps: Sequence[dict], k: int, step: dict) -> tuple[Sampling, Any, str]:
