@@ -200,17 +200,21 @@ class CostModel:
     def decide(self, tree: DraftTree) -> tuple[DraftTree, Optional[dict]]:
         """The tree cut to the nodes worth their cost (the best `choose(tree)` of `ranked(tree)`), and why
         (None when there was nothing to choose from): the candidate draft nodes, the ones kept, the accepted
-        drafts expected of them, the pass's cost relative to a one-token pass, and each candidate source's
-        correction in this request."""
+        drafts expected of them, the pass's cost relative to a one-token pass, each candidate source's
+        correction in this request, and ("chances") each kept node's chance of being accepted, in the cut
+        tree's node order (node 1 first)."""
         if tree.draft_size == 0:
             return tree, None
         order, chance = self.ranked(tree)
         budget = self._best_budget(chance)
+        kept = order[:budget]
+        by_node = chance[:budget][np.argsort(kept)]  # keep_nodes keeps the nodes in their order in the tree
         why = {"candidates": int(tree.draft_size), "kept": budget,
                "expected_accepted": round(float(chance[:budget].sum()), 4),
                "relative_cost": round(self.relative_cost(budget + 1), 4),
-               "request_factors": {name: round(self.request_factor(name), 4) for name in sorted(set(tree.sources[1:]))}}
-        return keep_nodes(tree, order[:budget]), why
+               "request_factors": {name: round(self.request_factor(name), 4) for name in sorted(set(tree.sources[1:]))},
+               "chances": [round(float(c), 4) for c in by_node]}
+        return keep_nodes(tree, kept), why
 
     def observe(self, tree: DraftTree, accepted_nodes: list[int], forward_ms: float) -> None:
         """Learn from one verified step: which nodes were accepted, and what the pass cost."""

@@ -249,7 +249,17 @@ class Step:
             accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
             new_tokens=list(self.new_tokens), timings_ms=dict(self.timings_ms),
             **self.node_probs(), uniforms={node: u for node, (u, _) in self.verdict.draws.items()},
-            budget_choice=self.budget_choice)
+            **_chances_apart(self.budget_choice))
+
+
+def _chances_apart(why: Optional[dict]) -> dict:
+    """The StepTrace fields of the cost model's choice: its reasons (budget_choice) and, per node, the chance
+    it gave each kept node (node_chances: None at the root)."""
+    if why is None:
+        return {"budget_choice": None}
+    reasons = {k: v for k, v in why.items() if k != "chances"}
+    chances = why.get("chances")
+    return {"budget_choice": reasons, "node_chances": [None, *chances] if chances else []}
 
 
 def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: Sequence[Store], cfg: DecodeConfig,

@@ -60,6 +60,9 @@ class StepTrace:
     # the cost model's choice (rest_core.cost.CostModel.decide): candidates, kept, expected_accepted,
     # relative_cost, request_factors; None when no cost model chose (a fixed budget, nothing retrieved)
     budget_choice: Optional[dict] = None
+    # per node: the chance the cost model gave it of being accepted (its path's product; None at the root);
+    # empty when no cost model chose
+    node_chances: list[Optional[float]] = field(default_factory=list)
 
     @property
     def draft_size(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 import rest_core.cost as cost
 import rest_core.machine as machine
@@ -372,7 +373,17 @@ def test_the_decoder_reports_why_the_cost_model_kept_what_it_kept(tiny_lm):
         why = s.budget_choice
         assert why["kept"] == len(s.tree_tokens) - 1 <= why["candidates"]
         assert why["relative_cost"] >= 1.0 and why["expected_accepted"] >= 0.0
-        assert set(why["request_factors"]) <= {"request"}
+        assert set(why["request_factors"]) <= {"request"} and "chances" not in why
+        if why["kept"] == 0:
+            assert s.node_chances == []
+            continue
+        # each kept node's chance, the root none; a child never more likely than its parent; they sum to the
+        # expected accepted drafts
+        chances = s.node_chances
+        assert len(chances) == len(s.tree_tokens) and chances[0] is None
+        assert all(0.0 <= c <= 0.99 for c in chances[1:])
+        assert all(chances[i] <= chances[p] + 1e-4 for i, p in enumerate(s.tree_parents) if p > 0)
+        assert sum(chances[1:]) == pytest.approx(why["expected_accepted"], abs=1e-4 * len(chances))
     nothing = [s for s in steps if s.budget_choice is None]
     assert all(len(s.tree_tokens) == 1 for s in nothing)
     fixed = []

@@ -72,6 +72,16 @@ def test_tree_labels_path_and_disagreement(rec):
     assert outlined == set(t.accepted_nodes)
     note = fig.layout.annotations[0].text
     assert note == "draft: ␣sat, ␣ran, model: ␣on"
+    assert not any("cost model" in h for d in node_traces(fig) for h in d.hovertext)  # no cost model chose here
+
+
+def test_a_node_hover_tells_the_cost_models_estimate_when_it_chose(rec):
+    t = known_step()
+    t.node_chances = [None, 0.62, 0.2, 0.31, 0.05]
+    fig = figures.draft_tree_figure(rec.load_step(record_run(rec, [t]), 0))
+    hover = {n: h for d in node_traces(fig) for n, h in zip(d.customdata, d.hovertext)}
+    assert "the cost model's estimate that it would be accepted: 0.62" in hover[1]
+    assert "estimate that it would be accepted: 0.05" in hover[4] and "cost model" not in hover[0]
     bonus = next(d for d in fig.data if d.name.startswith("bonus"))
     assert list(bonus.text) == ["␣on"]
 
@@ -352,6 +362,11 @@ def test_datasette_opens_the_traces_with_descriptions_and_canned_queries(rec):
     assert by_source.status_code == 200
     drafted = Counter(s for t in traces for s in t.tree_sources[1:])
     assert {r["source"]: r["drafted"] for r in by_source.json()} == dict(drafted)
+    calibration = asyncio.run(get(f"/{name}/chance_calibration.json?_shape=array")).json()
+    with_chances = [c for t in traces for c in t.node_chances[1:]]
+    assert sum(r["drafted"] for r in calibration) == len(with_chances)
+    accepted = [n in t.accepted_nodes for t in traces if t.node_chances for n in range(1, len(t.tree_tokens))]
+    assert sum(r["accepted"] * r["drafted"] for r in calibration) == pytest.approx(sum(accepted))
     phases = asyncio.run(get(f"/{name}/phase_ms.json?_shape=array&run_id={run_id}")).json()
     assert set(phases[0]) == set(PHASES) and phases[0]["forward"] > 0
     page = asyncio.run(get(f"/{name}/steps")).text

@@ -106,11 +106,20 @@ def make_trace(rng: random.Random, *, step: int = 0, prefix_len: int = 12, n_nod
         new_tokens=[tokens[i] for i in path[1:]] + [bonus],
         timings_ms={p: round(rng.uniform(0.1, 60.0), 3) for p in PHASES},
         **model_probs(tokens, parents, choices, path),
-        budget_choice=None if rng.random() < 0.5 else {
-            "candidates": n - 1 + rng.randint(0, 9), "kept": n - 1, "expected_accepted": round(rng.uniform(0, n), 4),
-            "relative_cost": round(rng.uniform(1, 2), 4), "request_factors": {s: round(rng.uniform(0.3, 2), 4)
-                                                                              for s in SOURCES[:2]}},
+        **_cost_model_choice(rng, n),
     )
+
+
+def _cost_model_choice(rng: random.Random, n: int) -> dict:
+    """The cost model's fields of a step: none (a fixed budget) half the time, else its reasons and a chance per
+    kept node (when it kept any)."""
+    if rng.random() < 0.5:
+        return {}
+    chances = [round(rng.uniform(0, 0.99), 4) for _ in range(n - 1)]
+    return {"budget_choice": {"candidates": n - 1 + rng.randint(0, 9), "kept": n - 1,
+                              "expected_accepted": round(sum(chances), 4), "relative_cost": round(rng.uniform(1, 2), 4),
+                              "request_factors": {s: round(rng.uniform(0.3, 2), 4) for s in SOURCES[:2]}},
+            "node_chances": [None, *chances] if chances else []}
 
 
 def model_probs(tokens: list[int], parents: list[int], choices: list[int], path: list[int]) -> dict:
@@ -438,17 +447,21 @@ def test_a_store_written_before_the_budget_choice_column_gains_it_and_keeps_its_
     path = tmp_path / "old.sqlite"
     rec = TraceRecorder(path)
     t = make_trace(random.Random(5), n_nodes=4)
-    t.budget_choice = None
+    t.budget_choice, t.node_chances = None, []
     old_run = record_run(rec, [t])
     rec.close()
-    with sqlite3.connect(path) as conn:  # the steps table as it was before the column existed
+    with sqlite3.connect(path) as conn:  # the tables as they were before the columns existed
         conn.execute("ALTER TABLE steps DROP COLUMN budget_choice")
+        conn.execute("ALTER TABLE draft_nodes DROP COLUMN chance")
     rec = TraceRecorder(path)
     assert rec.load_step(old_run, 0)["budget_choice"] is None
+    assert rec.load_trace(old_run, 0).node_chances == [] and rec.load_step(old_run, 0)["nodes"][1]["chance"] is None
     t2 = make_trace(random.Random(6), n_nodes=5)
     t2.budget_choice = {"candidates": 9, "kept": 4, "expected_accepted": 1.5, "relative_cost": 1.2,
                         "request_factors": {"static": 0.7}}
+    t2.node_chances = [None, 0.8, 0.5, 0.3, 0.05]
     new_run = record_run(rec, [t2])
     assert rec.load_step(new_run, 0)["budget_choice"] == t2.budget_choice
     assert rec.load_trace(new_run, 0).budget_choice == t2.budget_choice
+    assert [n["chance"] for n in rec.load_step(new_run, 0)["nodes"]] == t2.node_chances
     rec.close()

@@ -48,6 +48,8 @@ TABLES = {
         "choice_prob": "the model's probability of model_choice after this node",
         "top_tokens": "JSON: the model's likeliest next tokens after this node (top_texts, top_probs beside)",
         "uniform": "sampling: the uniform number drawn at this node (NULL where the walk did not go)",
+        "chance": "the cost model's estimate that this node would be accepted (the product of its path's conditional "
+                  "chances; NULL at the root and where no cost model chose)",
     }),
     "branches": ("One row per distinct continuation a store retrieved at a step (the 32 most frequent per source).", {
         "count": "how often the continuation occurred (for the model source: its prior chance x 1000)",
@@ -62,6 +64,12 @@ QUERIES = {
                              "select source, count(*) as drafted, sum(accepted) as accepted, "
                              "round(avg(accepted), 3) as acceptance from draft_nodes where node > 0 "
                              "group by source order by drafted desc"),
+    "chance_calibration": ("Did the cost model's chances come true: drafted nodes by estimated chance, and how "
+                           "many were accepted",
+                           "select round(chance, 1) as chance, count(*) as drafted, "
+                           "round(avg(chance), 3) as expected, round(avg(accepted), 3) as accepted "
+                           "from draft_nodes where node > 0 and chance is not null group by round(chance, 1) "
+                           "order by 1"),
     "phase_ms": ("Mean milliseconds per phase of one run",
                  "select " + ", ".join(f'round(avg(t_{p}_ms), 2) as "{p}"' for p in PHASES)
                  + " from steps where run_id = :run_id"),

@@ -220,6 +220,8 @@ def _node_hover(n: NodeRow) -> str:
         "matches the model's choice at its parent" if n["chosen"] else "not what the model chose")
     if n.get("prob") is not None:
         verdict += f"; the model gave this token {prob_text(n['prob'])} at its parent"
+    if n.get("chance") is not None:
+        verdict += f"<br>the cost model's estimate that it would be accepted: {prob_text(n['chance'])}"
     after = f"the model's choice after it: {_label(n['model_choice_text'])}"
     if n.get("choice_prob") is not None:
         after += f" ({prob_text(n['choice_prob'])})"

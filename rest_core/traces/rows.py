@@ -120,10 +120,10 @@ ADDED_STEP_COLUMNS = {"budget_choice": "TEXT"}
 NODE_COLUMNS = (
     "run_id", "step", "node", "parent", "depth", "token_id", "token_text", "score", "source",
     "model_choice", "model_choice_text", "chosen", "accepted",
-) + ("prob", "choice_prob", "top_tokens", "top_texts", "top_probs", "uniform")
+) + ("prob", "choice_prob", "top_tokens", "top_texts", "top_probs", "uniform", "chance")
 # columns added to draft_nodes after the first schema: a store written before them gets them (NULL) on opening
 ADDED_NODE_COLUMNS = {"prob": "REAL", "choice_prob": "REAL", "top_tokens": "TEXT", "top_texts": "TEXT",
-                      "top_probs": "TEXT", "uniform": "REAL"}
+                      "top_probs": "TEXT", "uniform": "REAL", "chance": "REAL"}
 BRANCH_COLUMNS = ("run_id", "step", "branch", "source", "tokens", "text", "count")
 JSON_COLUMNS = frozenset({"stores", "settings", "prompt_ids", "query", "matched_len", "new_tokens", "new_texts",
                           "accepted_sources", "position_ids", "tokens", "top_tokens", "top_texts", "top_probs",
@@ -185,6 +185,9 @@ def trace_rows(run_id: int, t: StepTrace, texts: TokenTexts) -> tuple[tuple, lis
     new_tokens = [int(x) for x in t.new_tokens]
     on_path = set(t.accepted_nodes)
     probs = _node_probs(t, q)
+    if t.node_chances and len(t.node_chances) != q:
+        raise ValueError(f"step {t.step}: {len(t.node_chances)} node chances for {q} nodes")
+    chances = [None if c is None else float(c) for c in t.node_chances] if t.node_chances else [None] * q
     timings = t.timings_ms or {}
     step_row = (
         run_id, t.step, t.prefix_len, ids_json(t.query),
@@ -201,7 +204,7 @@ def trace_rows(run_id: int, t: StepTrace, texts: TokenTexts) -> tuple[tuple, lis
             run_id, t.step, i, parent, int(t.tree_depths[i]), tokens[i], texts.label(tokens[i]),
             float(t.tree_scores[i]), t.tree_sources[i], choices[i], texts.label(choices[i]),
             None if parent < 0 else int(choices[parent] == tokens[i]), int(i in on_path),
-        ) + probs(i, texts))
+        ) + probs(i, texts) + (chances[i],))
     kept = _top_branches(t.branches, MAX_BRANCHES_PER_SOURCE)
     branch_rows = [(run_id, t.step, k, b.source, ids_json(b.tokens), texts.join(b.tokens), int(b.count))
                    for k, b in enumerate(kept)]
@@ -262,6 +265,7 @@ def step_trace(step: StepDetail) -> StepTrace:
         bonus_token=step["bonus_token"], new_tokens=step["new_tokens"],
         timings_ms={p: step[f"t_{p}_ms"] for p in PHASES if step[f"t_{p}_ms"] is not None},
         **_stored_probs(nodes), budget_choice=step.get("budget_choice"),
+        node_chances=[n.get("chance") for n in nodes] if any(n.get("chance") is not None for n in nodes) else [],
     )
 
 
