@@ -113,6 +113,16 @@ def build_answers_store(path: str | Path, tokenizer: Any, generate: Generate, pr
             print(f"Building the general-text store at {path}: the model answers {len(prompts)} requests "
                   f"(once; up to {max_new_tokens} tokens each)...", flush=True)
         records = generate_answers(tokenizer, generate, prompts, batch, max_new_tokens, progress)
+    store = index_answers(path, tokenizer, records)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    write_atomic(path / ANSWERS_FILE, text)
+    return store
+
+
+def index_answers(path: str | Path, tokenizer: Any, records: Sequence[dict]) -> TokenDatastore:
+    """A store at path of these answers ({"ids": ...} records), each a document as the ids appear in a chat:
+    the template's assistant header, the answer, its end-of-turn token."""
+    path = Path(path)
     header, eot = assistant_header(tokenizer), end_of_turn(tokenizer)
     docs = []
     for rec in records:
@@ -121,8 +131,6 @@ def build_answers_store(path: str | Path, tokenizer: Any, generate: Generate, pr
             ids = ids + eot  # an answer cut at max_new_tokens still ends its turn in the store
         docs.append(header + ids)
     build_from_token_documents(path, docs, tokenizer, overwrite=True)
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
-    write_atomic(path / ANSWERS_FILE, text)
     return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name, source=SOURCE)
 
 

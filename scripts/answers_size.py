@@ -23,9 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datastores import HistoryStore, RecycleStore, assemble_stores, open_default_store
-from datastores.answers import ANSWERS_FILE, SOURCE, answers_store_path, assistant_header, end_of_turn
-from datastores.build import build_from_token_documents
-from datastores.static import TokenDatastore
+from datastores.answers import ANSWERS_FILE, answers_store_path, index_answers
 from rest_core.bench.suites import load_suite
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
@@ -52,21 +50,12 @@ def main() -> None:
         sys.exit(f"The store holds {len(records)} answers; pick sizes up to that.")
     order = list(range(len(records)))
     random.Random(0).shuffle(order)
-    header, eot = assistant_header(tok), end_of_turn(tok)
     static = open_default_store(tok, progress=False)
     prompts = [p.ids for p in load_suite("chat", tok, pick=args.prompts)]
     curve = CostModel.for_model(lm, kind="chat").times_ms
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.sizes:
-            store = None
-            if n:
-                docs = []
-                for i in order[:n]:
-                    ids = list(records[i]["ids"])
-                    docs.append(header + (ids + eot if eot and (not ids or ids[-1] != eot[0]) else ids))
-                folder = Path(tmp) / f"answers-{n}"
-                build_from_token_documents(folder, docs, tok, overwrite=True)
-                store = TokenDatastore.open(folder, tokenizer=tok, name=folder.name, source=SOURCE)
+            store = index_answers(Path(tmp) / f"answers-{n}", tok, [records[i] for i in order[:n]]) if n else None
             for budget in (8, None):
                 stores = assemble_stores(static=static, answers=store, request=True, history=HistoryStore(path=None),
                                          model=RecycleStore(lm.vocab_size))

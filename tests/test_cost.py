@@ -384,6 +384,7 @@ def test_the_decoder_reports_why_the_cost_model_kept_what_it_kept(tiny_lm):
         assert all(0.0 <= c <= 0.99 for c in chances[1:])
         assert all(chances[i] <= chances[p] + 1e-4 for i, p in enumerate(s.tree_parents) if p > 0)
         assert sum(chances[1:]) == pytest.approx(why["expected_accepted"], abs=1e-4 * len(chances))
+    assert any(s.budget_choice["kept"] > 0 for s in chosen), "some step kept drafts: their chances were checked"
     nothing = [s for s in steps if s.budget_choice is None]
     assert all(len(s.tree_tokens) == 1 for s in nothing)
     fixed = []

@@ -364,6 +364,7 @@ def test_datasette_opens_the_traces_with_descriptions_and_canned_queries(rec):
     assert {r["source"]: r["drafted"] for r in by_source.json()} == dict(drafted)
     calibration = asyncio.run(get(f"/{name}/chance_calibration.json?_shape=array")).json()
     with_chances = [c for t in traces for c in t.node_chances[1:]]
+    assert with_chances, "some recorded step carries the cost model's chances"
     assert sum(r["drafted"] for r in calibration) == len(with_chances)
     accepted = [n in t.accepted_nodes for t in traces if t.node_chances for n in range(1, len(t.tree_tokens))]
     assert sum(r["accepted"] * r["drafted"] for r in calibration) == pytest.approx(sum(accepted))
