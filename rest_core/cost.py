@@ -100,8 +100,9 @@ class CostModel:
         text ("chat" for chat-template prompts, "text" for plain continuation; "" when the caller cannot tell).
 
         The full curve is measured once and cached on disk and in this process; a new
-        process times a few one-token passes and measures the curve again when they
-        disagree with the cached one by more than 25% (the machine changed, or was busy
+        process times a few one- and 8-token passes and measures the curve again when
+        they disagree with the cached one (a one-token pass off by more than 25%, or the
+        8-token pass's relative cost by more than 12%: the machine changed, or was busy
         back then).  REST_LAB_RECALIBRATE=1 forces a new measurement.
         """
         path = _calibration_path(lm)
@@ -397,8 +398,17 @@ def _write_json(path: Path, data: dict) -> None:
         pass
 
 
+PROBE = (1, 8)  # sizes a new process times to check a cached curve
+PROBE_LEVEL = 0.25  # a one-token pass this much slower or faster: the machine is not what it was
+PROBE_SHAPE = 0.12  # an 8-token pass's cost relative to a one-token pass off by this much: the choice would be
+
+
 def _cached_curve(lm, path: Path) -> Optional[np.ndarray]:
-    """The curve stored on disk, if a quick one-token probe agrees with it within 25%."""
+    """The curve stored on disk, if a quick probe agrees with it: a one-token pass within 25% of its time,
+    and an 8-token pass's cost relative to it within 12% of the curve's.  The budget choice reads only the
+    curve's shape (how much more a tree costs than one token), so a curve measured while the machine was
+    busy -- a one-token pass at the usual time, larger sizes slowed, or the other way round -- must not
+    survive a probe that sees another shape."""
     data = _read_json(path)
     try:
         if not isinstance(data, dict) or tuple(data["grid"]) != GRID:
@@ -408,8 +418,12 @@ def _cached_curve(lm, path: Path) -> Optional[np.ndarray]:
         return None
     if times.shape != (len(GRID),) or not np.isfinite(times).all() or (times <= 0).any():
         return None
-    now = measure_forward_curve(lm, grid=(1,), repeats=3)[0]
-    return times if abs(now - times[0]) <= 0.25 * times[0] else None
+    now = measure_forward_curve(lm, grid=PROBE, repeats=3)
+    cached = np.interp(PROBE, GRID, times)
+    level_holds = abs(now[0] - cached[0]) <= PROBE_LEVEL * cached[0]
+    shape_now, shape_then = now[1:] / now[0], cached[1:] / cached[0]
+    shape_holds = bool(np.all(np.abs(shape_now - shape_then) <= PROBE_SHAPE * shape_then))
+    return times if level_holds and shape_holds else None
 
 
 def _stats_path(lm) -> Path:

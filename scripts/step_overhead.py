@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from datastores import HistoryStore, RecycleStore, assemble_stores, open_answers, open_default_store
+from rest_core.bench.methods import rest_full_stores
 from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import load_suite
 from rest_core.cost import CostModel
@@ -93,11 +93,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
     lm = load_model()
-    static = open_default_store(lm.tokenizer, progress=False)
-    answers = open_answers("default", lm.name, lm.tokenizer) if args.suite == "chat" else None
-    stores = assemble_stores(static=static, answers=answers, request=True, history=HistoryStore(path=None),
-                             model=RecycleStore(lm.vocab_size))
-    kind = "chat" if args.suite == "chat" else "text"
+    stores, kind = rest_full_stores(lm, args.suite)
     decoder = RestDecoder(lm, stores=stores, budget_chooser=CostModel.for_model(lm, stores=stores, kind=kind))
     prompts = [p.ids for p in load_suite(args.suite, lm.tokenizer, limit=args.limit)]
     decoder.generate(list(prompts[0]), DecodeConfig(max_new_tokens=16))  # warm-up

@@ -68,22 +68,26 @@ def test_cached_calibration_is_reused_only_while_it_still_holds(tiny_lm, tmp_pat
 
     def fake_measure(lm, prefix_len=96, repeats=3, grid=GRID):
         calls.append(grid)
-        base = fake_measure.one_ms
-        return np.array([base + q for q in grid], dtype=float)
+        return np.array([fake_measure.one_ms + fake_measure.per_token * (q - 1) for q in grid], dtype=float)
 
     monkeypatch.setattr(cost, "measure_forward_curve", fake_measure)
-    fake_measure.one_ms = 50.0
+    fake_measure.one_ms, fake_measure.per_token = 50.0, 4.0  # 8 tokens: 78 ms, 1.56x
     first = CostModel.for_model(tiny_lm)
-    assert calls == [GRID] and first.forward_ms(1) == 51.0
+    assert calls == [GRID] and first.forward_ms(1) == 50.0
     cost._CURVES.clear()  # a new process: only the file is left
+    fake_measure.one_ms, fake_measure.per_token = 55.0, 4.6  # 10% slower all over: the same shape
     second = CostModel.for_model(tiny_lm)  # probe agrees: cached curve kept
-    assert calls[-1] == (1,) and second.forward_ms(1) == 51.0
-    fake_measure.one_ms = 200.0  # the machine got slower: measure again
+    assert calls[-1] == cost.PROBE and second.forward_ms(1) == 50.0 and second.forward_ms(8) == 78.0
+    fake_measure.one_ms, fake_measure.per_token = 50.0, 2.0  # one token as before, 8 tokens 1.28x: another shape
     cost._CURVES.clear()
     third = CostModel.for_model(tiny_lm)
-    assert calls[-1] == GRID and third.forward_ms(1) == 201.0
+    assert calls[-2:] == [cost.PROBE, GRID] and third.relative_cost(8) == 64.0 / 50.0
+    fake_measure.one_ms, fake_measure.per_token = 200.0, 8.0  # the machine got slower: measure again
+    cost._CURVES.clear()
+    fourth = CostModel.for_model(tiny_lm)
+    assert calls[-2:] == [cost.PROBE, GRID] and fourth.forward_ms(1) == 200.0
     saved = json.loads(next((tmp_path / "cost").glob("*.json")).read_text())
-    assert saved["times_ms"][0] == 201.0
+    assert saved["times_ms"][0] == 200.0
 
 
 def test_acceptance_is_learned_per_source_and_kept_between_runs(tmp_path):

@@ -361,3 +361,32 @@ def test_the_step_overhead_script_splits_steps_with_and_without_a_draft(tiny_lm)
         assert k["mean_ms"] == pytest.approx(sum(k["phases_ms"][p] for p in module.PHASES_AROUND))
     assert out["plain_ms_per_step"] > 0
     assert dec.budget_chooser is None  # the decoder is handed back as it was
+
+
+def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
+    """scripts/cut_ceiling.py on the tiny model: every step's candidate tree is recorded with the cost model's
+    ranking; replaying the budgets the cost model kept gives back the drafts the decoder accepted, and a
+    rule that knows the answer does at least as well as the recorded choice."""
+    from rest_core.cost import GRID, CostModel
+    module = script("cut_ceiling")
+    class NearlyFree(CostModel):  # trees cost almost nothing more than one token, whatever the tiny model takes
+        def _refresh_curve(self, q, forward_ms):
+            pass
+
+    chooser = NearlyFree(times_ms=np.array([50.0 + 0.01 * (q - 1) for q in GRID]))
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(request=True, model=RecycleStore(tiny_lm.vocab_size)),
+                      budget_chooser=chooser)
+    cfg = DecodeConfig(max_new_tokens=24, stop_at_eos=False)
+    rows = module.record(dec, [[5, 6, 7, 8], [5, 6, 7, 8, 5, 6, 7, 8]], cfg)
+    assert dec.budget_chooser is chooser  # handed back as it was
+    assert any(r["kept"] > 0 for r in rows) and any(r["candidates"] > 0 for r in rows)
+    for r in rows:
+        assert len(r["chances"]) == r["candidates"] and r["kept"] <= r["candidates"]
+        assert r["accepted"] <= len(r["ranks"])  # what was accepted lies on the answer's path
+    recorded = module.replay(rows, chooser.forward_ms, lambda r: r["kept"])
+    assert recorded[0] == pytest.approx(np.mean([1 + r["accepted"] for r in rows]))
+    assert recorded[0] > 1.0
+    knowing = module.replay(rows, chooser.forward_ms, module.knowing_the_answer(chooser.forward_ms))
+    assert knowing[1] >= recorded[1] - 1e-9
+    lines = module.report(rows, chooser.forward_ms)
+    assert lines[1].startswith("recorded choice") and len(lines) == 12

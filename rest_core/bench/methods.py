@@ -33,7 +33,15 @@ from pathlib import Path
 
 import torch
 
-from datastores import HistoryStore, RecycleStore, Store, assemble_stores, store_labels
+from datastores import (
+    HistoryStore,
+    RecycleStore,
+    Store,
+    assemble_stores,
+    open_answers,
+    open_default_store,
+    store_labels,
+)
 from rest_core.compare import cut_at_eos
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, DecodeResult, RestDecoder, check_prompt, plain_generate
@@ -49,6 +57,17 @@ SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "re
 REST_METHODS = ("rest_static", "rest_full", "rest_model", "rest_answers", TRACED)
 MODEL_SOURCE_METHODS = ("rest_full", "rest_model")  # each gets its own table of the model's predictions
 DEFAULT_KERNELS = "@default"  # method suffix: run with transformers' default linear kernels
+
+
+def rest_full_stores(lm: LoadedModel, suite: str) -> tuple[list[Store], str]:
+    """rest_full's stores for a measurement script, and the kind of text the suite decodes: the Python
+    store, the general-text store in chat, the request store, a history and the model's own predictions (the
+    last two in memory and empty)."""
+    chat = suite == "chat"
+    stores = assemble_stores(static=open_default_store(lm.tokenizer, progress=False),
+                             answers=open_answers("default", lm.name, lm.tokenizer) if chat else None,
+                             request=True, history=HistoryStore(path=None), model=RecycleStore(lm.vocab_size))
+    return stores, "chat" if chat else "text"
 
 
 def base_method(method: str) -> str:

@@ -1,0 +1,172 @@
+"""How much of the candidate draft tree the cost model's cut keeps, and what other budget rules would reach.
+
+Decodes prompts with rest_full's stores (the Python store, the general-text store in chat, the request
+store, a history and the model's own predictions, the last two in memory and empty at first) and the
+cost model, and records for every step the whole candidate tree the cost model was handed, its ranking
+of the candidates, and the answer (REST's greedy output is the model's, so the answer is known): which
+of the candidates lie on the path the model went on to take, and where the ranking put them.  On those
+very trees it then replays budget rules against the cost curve the run ended with:
+
+* the recorded choice, and the cost model's objective again with its chances scaled (its calibration);
+* fixed budgets (the top b of the same ranking);
+* the best budget per step for someone who knew the answer (the same ranking: what a perfect estimate of
+  *which* steps pay would reach) and the accepted path alone (a perfect ranking as well).
+
+The replay ignores what other choices would have taught the cost model and the stores, so it bounds
+what a budget rule can reach on these trees rather than predicting a run.
+
+    .venv/bin/python scripts/cut_ceiling.py --suite humaneval --limit 16
+    .venv/bin/python scripts/cut_ceiling.py --suite chat --limit 16
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rest_core.bench.methods import rest_full_stores
+from rest_core.bench.report import cpu_line
+from rest_core.bench.suites import load_suite
+from rest_core.cost import CANDIDATE_BUDGETS, CostModel
+from rest_core.decode import DecodeConfig, RestDecoder
+from rest_core.machine import cpu_info
+from rest_core.model import load_model
+from rest_core.tree import DraftTree
+
+
+class _RecordingChooser:
+    """The decoder's cost model, with every candidate tree it is handed and its ranking of them kept."""
+
+    def __init__(self, chooser: CostModel):
+        self._chooser = chooser
+        self.seen: list[tuple[DraftTree, np.ndarray, np.ndarray]] = []  # (tree, ranked nodes, their chances)
+
+    def decide(self, tree: DraftTree):
+        order, chance = self._chooser.ranked(tree) if tree.draft_size else (np.zeros(0, int), np.zeros(0))
+        self.seen.append((tree, order, chance))
+        return self._chooser.decide(tree)
+
+    def __getattr__(self, name):
+        return getattr(self._chooser, name)
+
+
+def answer_path(tree: DraftTree, answer: Sequence[int]) -> list[int]:
+    """The tree's nodes (1-based) along the answer, from the root down, as far as the tree holds it."""
+    children: dict[int, dict[int, int]] = {}
+    for node in range(1, len(tree.tokens)):
+        children.setdefault(int(tree.parents[node]), {}).setdefault(int(tree.tokens[node]), node)
+    path, node = [], 0
+    for token in answer:
+        node = children.get(node, {}).get(int(token), -1)
+        if node < 0:
+            break
+        path.append(node)
+    return path
+
+
+def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeConfig) -> list[dict]:
+    """Per step: candidates, kept and accepted drafts, the ranks (0 = first) of the candidates on the answer's
+    path, and the chances the cost model ranked them by (best first)."""
+    chooser = decoder.budget_chooser
+    if chooser is None:
+        raise ValueError("the decoder needs a cost model (budget_chooser) whose cut is to be measured")
+    recording = _RecordingChooser(chooser)
+    decoder.budget_chooser = recording
+    rows: list[dict] = []
+    try:
+        for ids in prompts:
+            start = len(recording.seen)
+            traces = []
+            out = decoder.generate(list(ids), cfg, hook=traces.append)
+            done = 0
+            for trace, (tree, order, chance) in zip(traces, recording.seen[start:], strict=True):
+                rank = {int(n): i for i, n in enumerate(order)}
+                path = answer_path(tree, out.tokens[done:])
+                rows.append({"candidates": int(tree.draft_size), "kept": trace.draft_size,
+                             "accepted": trace.accepted_drafts, "ranks": [rank[n] for n in path],
+                             "chances": [float(c) for c in chance]})
+                done += len(trace.new_tokens)
+    finally:
+        decoder.budget_chooser = chooser
+    return rows
+
+
+def replay(rows: Sequence[dict], forward_ms: Callable, rule: Callable[[dict], int]) -> tuple[float, float]:
+    """(tokens per pass, speed over one-token passes on the cost curve) of a budget rule on the recorded trees:
+    a step keeps the top `rule(row)` candidates and accepts the answer's path as far as it ranks within them."""
+    tokens = ms = 0.0
+    for row in rows:
+        budget = min(rule(row), row["candidates"])
+        accepted = next((j for j, r in enumerate(row["ranks"]) if r >= budget), len(row["ranks"]))
+        tokens += 1 + accepted
+        ms += forward_ms(budget + 1)
+    return tokens / len(rows), tokens / ms * forward_ms(1)
+
+
+def objective(forward_ms: Callable, scale: float = 1.0) -> Callable[[dict], int]:
+    """The cost model's rule, (1 + expected accepted drafts of the top b) / t(b + 1), chances scaled."""
+    def rule(row: dict) -> int:
+        chance = np.minimum(np.asarray(row["chances"]) * scale, 0.99)
+        budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= chance.size]
+        gain = np.concatenate([[0.0], np.cumsum(chance)])
+        return int(budgets[int(((1.0 + gain[budgets]) / forward_ms(budgets + 1)).argmax())])
+    return rule
+
+
+def knowing_the_answer(forward_ms: Callable) -> Callable[[dict], int]:
+    """The best budget of each step for someone who knew which candidates the model would accept."""
+    def rule(row: dict) -> int:
+        budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= row["candidates"]]
+        return int(max(budgets, key=lambda b: replay([row], forward_ms, lambda _: int(b))[1]))
+    return rule
+
+
+def report(rows: Sequence[dict], forward_ms: Callable) -> list[str]:
+    lines = [f"{len(rows)} steps, candidates per step {np.mean([r['candidates'] for r in rows]):.1f}, kept "
+             f"{np.mean([r['kept'] for r in rows]):.2f}; cost curve x one token at 2/4/8/16: "
+             + " / ".join(f"{forward_ms(q) / forward_ms(1):.2f}" for q in (2, 4, 8, 16))]
+    recorded = replay(rows, forward_ms, lambda r: r["kept"])
+    lines.append(f"recorded choice: {recorded[0]:.3f} tokens per pass, {recorded[1]:.3f}x on the curve")
+    def line(label: str, found: tuple[float, float]) -> str:
+        return f"{label}: {found[0]:.3f} tokens per pass, {found[1]:.3f}x"
+
+    for scale in (0.5, 1.0, 1.5, 2.0):
+        lines.append(line(f"objective, chances x {scale:.1f}", replay(rows, forward_ms, objective(forward_ms, scale))))
+    for b in (2, 4, 8, 16):
+        lines.append(line(f"fixed budget {b}", replay(rows, forward_ms, lambda r, b=b: b)))
+    lines.append(line("best budget per step, knowing the answer",
+                      replay(rows, forward_ms, knowing_the_answer(forward_ms))))
+    path_tokens = [1 + len(r["ranks"]) for r in rows]
+    path_speed = sum(path_tokens) / sum(forward_ms(n) for n in path_tokens) * forward_ms(1)
+    lines.append(line("the accepted path alone", (float(np.mean(path_tokens)), path_speed)))
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", choices=("chat", "humaneval"), default="chat")
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    lm = load_model()
+    stores, kind = rest_full_stores(lm, args.suite)
+    base = CostModel.for_model(lm, stores=stores, kind=kind)
+    chooser = CostModel(times_ms=base.times_ms.copy(), labels=base.labels, kind=kind)  # counts from empty
+    decoder = RestDecoder(lm, stores=stores, budget_chooser=chooser)
+    pick = {"chat": "code-fizzbuzz code-is-prime code-git-undo explain-recursion explain-http explain-tides "
+                    "explain-interest rewrite-formal rewrite-simple summary-council format-json-yaml "
+                    "format-csv-markdown list-packing list-interview write-email-leave write-birthday".split()}
+    suite = load_suite(args.suite, lm.tokenizer, pick=pick[args.suite][:args.limit]) if args.suite == "chat" \
+        else load_suite(args.suite, lm.tokenizer, limit=args.limit)
+    rows = record(decoder, [p.ids for p in suite], DecodeConfig(max_new_tokens=args.max_new_tokens))
+    print(cpu_line(cpu_info()))
+    print("\n".join(report(rows, chooser.forward_ms)))
+
+
+if __name__ == "__main__":
+    main()
