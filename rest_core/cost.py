@@ -400,7 +400,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 PROBE = (1, 8)  # sizes a new process times to check a cached curve
 PROBE_LEVEL = 0.25  # a one-token pass this much slower or faster: the machine is not what it was
-PROBE_SHAPE = 0.12  # an 8-token pass's cost relative to a one-token pass off by this much: the choice would be
+PROBE_SHAPE = 0.12  # an 8-token pass's cost relative to a one-token pass off by this share: the choice would differ
 
 
 def _cached_curve(lm, path: Path) -> Optional[np.ndarray]:
