@@ -24,20 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datastores import HistoryStore, RecycleStore, assemble_stores, open_default_store
 from datastores.answers import ANSWERS_FILE, answers_store_path, index_answers
-from rest_core.bench.suites import load_suite
+from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
 from rest_core.model import load_model
-
-PROMPTS = ("code-fizzbuzz", "code-is-prime", "code-git-undo", "explain-recursion", "explain-http", "explain-tides",
-           "explain-interest", "rewrite-formal", "rewrite-simple", "summary-council", "format-json-yaml",
-           "format-csv-markdown", "list-packing", "list-interview", "write-email-leave", "write-birthday")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[0, 64, 128, 257, 514])
-    ap.add_argument("--prompts", nargs="+", default=list(PROMPTS), help="chat prompt ids or patterns")
+    ap.add_argument("--prompts", nargs="+", default=list(BENCHMARK_CHAT_PROMPTS), help="chat prompt ids or patterns")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
     lm = load_model()

@@ -9,8 +9,9 @@ very trees it then replays budget rules against the cost curve the run ended wit
 
 * the recorded choice, and the cost model's objective again with its chances scaled (its calibration);
 * fixed budgets (the top b of the same ranking);
-* the best budget per step for someone who knew the answer (the same ranking: what a perfect estimate of
-  *which* steps pay would reach) and the accepted path alone (a perfect ranking as well).
+* the budgets that give all steps together the most tokens per ms for someone who knew the answer (the
+  same ranking: what a perfect estimate of *which* steps pay would reach) and the accepted path alone (a
+  perfect ranking as well).
 
 The replay ignores what other choices would have taught the cost model and the stores, so it bounds
 what a budget rule can reach on these trees rather than predicting a run.
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rest_core.bench.methods import rest_full_stores
 from rest_core.bench.report import cpu_line
-from rest_core.bench.suites import load_suite
+from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
 from rest_core.cost import CANDIDATE_BUDGETS, CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
 from rest_core.machine import cpu_info
@@ -96,14 +97,19 @@ def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeCo
     return rows
 
 
+def accepted_within(row: dict, budget: int) -> int:
+    """Drafts a step accepts when it keeps the top `budget` candidates: the answer's path as far as it ranks
+    within them."""
+    return next((j for j, r in enumerate(row["ranks"]) if r >= budget), len(row["ranks"]))
+
+
 def replay(rows: Sequence[dict], forward_ms: Callable, rule: Callable[[dict], int]) -> tuple[float, float]:
     """(tokens per pass, speed over one-token passes on the cost curve) of a budget rule on the recorded trees:
-    a step keeps the top `rule(row)` candidates and accepts the answer's path as far as it ranks within them."""
+    a step keeps the top `rule(row)` candidates of the recorded ranking."""
     tokens = ms = 0.0
     for row in rows:
         budget = min(rule(row), row["candidates"])
-        accepted = next((j for j, r in enumerate(row["ranks"]) if r >= budget), len(row["ranks"]))
-        tokens += 1 + accepted
+        tokens += 1 + accepted_within(row, budget)
         ms += forward_ms(budget + 1)
     return tokens / len(rows), tokens / ms * forward_ms(1)
 
@@ -118,12 +124,27 @@ def objective(forward_ms: Callable, scale: float = 1.0) -> Callable[[dict], int]
     return rule
 
 
-def knowing_the_answer(forward_ms: Callable) -> Callable[[dict], int]:
-    """The best budget of each step for someone who knew which candidates the model would accept."""
-    def rule(row: dict) -> int:
+def knowing_the_answer(rows: Sequence[dict], forward_ms: Callable) -> Callable[[dict], int]:
+    """The budgets (of the cost model's candidate sizes) that give these steps together the most tokens per
+    ms, for someone who knew which candidates the model would accept.  The best rate of a sum of tokens over a
+    sum of times is found by Dinkelbach's iteration: at a rate r each step takes the budget with the most
+    tokens - r * ms, which gives a better rate unless r was the best."""
+    options = []  # per step: (budgets, tokens, ms)
+    for row in rows:
         budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= row["candidates"]]
-        return int(max(budgets, key=lambda b: replay([row], forward_ms, lambda _: int(b))[1]))
-    return rule
+        tokens = np.array([1.0 + accepted_within(row, int(b)) for b in budgets])
+        options.append((budgets, tokens, forward_ms(budgets + 1)))
+    picks = [0] * len(rows)  # start from plain steps
+    rate = len(rows) / sum(float(ms[0]) for _, _, ms in options)
+    while True:
+        picks = [int((tokens - rate * ms).argmax()) for _, tokens, ms in options]
+        better = sum(tokens[i] for (_, tokens, _), i in zip(options, picks)) \
+            / sum(ms[i] for (_, _, ms), i in zip(options, picks))
+        if better <= rate * (1 + 1e-12):
+            break
+        rate = better
+    chosen = {id(row): int(budgets[i]) for row, (budgets, _, _), i in zip(rows, options, picks)}
+    return lambda row: chosen[id(row)]
 
 
 def report(rows: Sequence[dict], forward_ms: Callable) -> list[str]:
@@ -139,8 +160,8 @@ def report(rows: Sequence[dict], forward_ms: Callable) -> list[str]:
         lines.append(line(f"objective, chances x {scale:.1f}", replay(rows, forward_ms, objective(forward_ms, scale))))
     for b in (2, 4, 8, 16):
         lines.append(line(f"fixed budget {b}", replay(rows, forward_ms, lambda r, b=b: b)))
-    lines.append(line("best budget per step, knowing the answer",
-                      replay(rows, forward_ms, knowing_the_answer(forward_ms))))
+    knowing = knowing_the_answer(rows, forward_ms)
+    lines.append(line("the best budgets, knowing the answer", replay(rows, forward_ms, knowing)))
     path_tokens = [1 + len(r["ranks"]) for r in rows]
     path_speed = sum(path_tokens) / sum(forward_ms(n) for n in path_tokens) * forward_ms(1)
     lines.append(line("the accepted path alone", (float(np.mean(path_tokens)), path_speed)))
@@ -158,11 +179,8 @@ def main() -> None:
     base = CostModel.for_model(lm, stores=stores, kind=kind)
     chooser = CostModel(times_ms=base.times_ms.copy(), labels=base.labels, kind=kind)  # counts from empty
     decoder = RestDecoder(lm, stores=stores, budget_chooser=chooser)
-    pick = {"chat": "code-fizzbuzz code-is-prime code-git-undo explain-recursion explain-http explain-tides "
-                    "explain-interest rewrite-formal rewrite-simple summary-council format-json-yaml "
-                    "format-csv-markdown list-packing list-interview write-email-leave write-birthday".split()}
-    suite = load_suite(args.suite, lm.tokenizer, pick=pick[args.suite][:args.limit]) if args.suite == "chat" \
-        else load_suite(args.suite, lm.tokenizer, limit=args.limit)
+    suite = load_suite(args.suite, lm.tokenizer, limit=args.limit,
+                       pick=BENCHMARK_CHAT_PROMPTS if args.suite == "chat" else None)
     rows = record(decoder, [p.ids for p in suite], DecodeConfig(max_new_tokens=args.max_new_tokens))
     print(cpu_line(cpu_info()))
     print("\n".join(report(rows, chooser.forward_ms)))

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 import rest_core.verify as verify_mod
 from datastores import HistoryStore, RecycleStore, assemble_stores
 from rest_core.commit import compact_cache
+from rest_core.cost import GRID, CostModel
 from rest_core.decode import DecodeConfig, PromptError, RestDecoder, plain_generate
 from rest_core.retrieve import RetrieveSettings
 from rest_core.sampling import Sampling, draw_token, next_token_probs
@@ -367,8 +368,8 @@ def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
     """scripts/cut_ceiling.py on the tiny model: every step's candidate tree is recorded with the cost model's
     ranking; replaying the budgets the cost model kept gives back the drafts the decoder accepted, and a
     rule that knows the answer does at least as well as the recorded choice."""
-    from rest_core.cost import GRID, CostModel
     module = script("cut_ceiling")
+
     class NearlyFree(CostModel):  # trees cost almost nothing more than one token, whatever the tiny model takes
         def _refresh_curve(self, q, forward_ms):
             pass
@@ -386,7 +387,34 @@ def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
     recorded = module.replay(rows, chooser.forward_ms, lambda r: r["kept"])
     assert recorded[0] == pytest.approx(np.mean([1 + r["accepted"] for r in rows]))
     assert recorded[0] > 1.0
-    knowing = module.replay(rows, chooser.forward_ms, module.knowing_the_answer(chooser.forward_ms))
+    knowing = module.replay(rows, chooser.forward_ms, module.knowing_the_answer(rows, chooser.forward_ms))
     assert knowing[1] >= recorded[1] - 1e-9
     lines = module.report(rows, chooser.forward_ms)
     assert lines[1].startswith("recorded choice") and len(lines) == 12
+
+
+def test_knowing_the_answer_finds_the_best_rate_of_all_steps_together():
+    """Two steps on a made-up curve (1 token 1 ms, 3 tokens 2.5 ms, 9 tokens 6.9 ms, any other size 100 ms).
+    The first step's answer starts at its third-ranked candidate: 8 drafts give 7 tokens in 6.9 ms, a rate
+    above a plain step's; the second's 2 drafts give 3 tokens in 2.5 ms.  Each step's own best rate drafts
+    both (10 tokens in 9.4 ms); the best rate of the two together keeps the first step plain (4 in 3.5)."""
+    module = script("cut_ceiling")
+
+    def forward_ms(q):
+        q = np.asarray(q)
+        cost = np.select([q == 1, q == 3, q == 9], [1.0, 2.5, 6.9], 100.0)
+        return cost if cost.ndim else float(cost)
+
+    rows = [{"candidates": 8, "ranks": [2, 3, 4, 5, 6, 7], "kept": 8, "accepted": 6, "chances": [0.5] * 8},
+            {"candidates": 2, "ranks": [0, 1], "kept": 2, "accepted": 2, "chances": [0.5] * 2}]
+    each_alone = module.replay(rows, forward_ms, lambda r: r["kept"])
+    assert each_alone == (10 / 2, 10 / 9.4)
+    knowing = module.knowing_the_answer(rows, forward_ms)
+    assert knowing(rows[0]) == 0 and knowing(rows[1]) == 2
+    best = module.replay(rows, forward_ms, knowing)
+    assert best == (4 / 2, 4 / 3.5) and best[1] > each_alone[1]
+    for first in module.CANDIDATE_BUDGETS[module.CANDIDATE_BUDGETS <= 8]:  # no other pair of budgets does better
+        for second in (0, 1, 2):
+            picks = {0: int(first), 1: second}
+            other = module.replay(rows, forward_ms, lambda r, picks=picks: picks[rows.index(r)])
+            assert other[1] <= best[1]

@@ -18,6 +18,11 @@ from typing import Any
 from rest_core.model import encode_prompt
 
 SUITES = ("humaneval", "chat")
+# the chat prompts of the README's chat table (one of each kind of request, code to greetings)
+BENCHMARK_CHAT_PROMPTS = ("code-fizzbuzz", "code-is-prime", "code-git-undo", "explain-recursion", "explain-http",
+                          "explain-tides", "explain-interest", "rewrite-formal", "rewrite-simple", "summary-council",
+                          "format-json-yaml", "format-csv-markdown", "list-packing", "list-interview",
+                          "write-email-leave", "write-birthday")
 
 
 @dataclass(frozen=True)
