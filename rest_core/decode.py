@@ -184,15 +184,26 @@ def plain_generate(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig = D
 
 
 def aggregate_branches(lookups: Sequence[Lookup]) -> list[Branch]:
-    """Every distinct retrieved continuation per source with how often it occurred, most frequent first."""
+    """Every distinct retrieved continuation per source with how often it occurred, most frequent first
+    (ties in token order)."""
     branches = []
     for lk in lookups:
-        if lk.continuations.shape[0] == 0:
+        rows = np.ascontiguousarray(lk.continuations)
+        k = rows.shape[0]
+        if k == 0:
             continue
-        uniq, counts = np.unique(lk.continuations, axis=0, return_counts=True)
-        found = [Branch(lk.source, tuple(int(t) for t in row if t >= 0), int(count))
-                 for row, count in zip(uniq, counts)]
-        branches.extend(sorted(found, key=lambda b: (-b.count, b.tokens)))
+        # equal rows are equal byte strings: one sort of the rows as bytes brings them together (any order
+        # does, the branches are sorted below), then a run of equal rows is one branch
+        as_bytes = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+        rows = rows[np.argsort(as_bytes, kind="stable")]
+        first = np.ones(k, dtype=bool)
+        first[1:] = (rows[1:] != rows[:-1]).any(axis=1)
+        starts = np.flatnonzero(first)
+        counts = np.diff(np.append(starts, k)).tolist()
+        found = [Branch(lk.source, tuple(t for t in row if t >= 0), count)
+                 for row, count in zip(rows[starts].tolist(), counts)]
+        found.sort(key=lambda b: (-b.count, b.tokens))
+        branches.extend(found)
     return branches
 
 

@@ -155,3 +155,18 @@ def test_rows_sort_as_lexsort_sorts_them():
         np.testing.assert_array_equal(_row_order(rows), np.lexsort(rows.T[::-1]))
     big = np.array([[70_000, 5], [-1, 9], [65_536, 2], [255, 256]])
     np.testing.assert_array_equal(_row_order(big), np.lexsort(big.T[::-1]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(lookups=lookups_strategy())
+def test_branches_are_every_distinct_continuation_with_its_count(lookups):
+    from collections import Counter
+
+    from rest_core.decode import aggregate_branches
+
+    lookups = [*lookups, OracleLookup("history", 0, 0, np.zeros((0, 4), dtype=np.int64))]  # a miss adds nothing
+    expected = []
+    for lk in lookups:
+        counted = Counter(tuple(t for t in row if t >= 0) for row in lk.continuations.tolist())
+        expected += sorted(((lk.source, toks, n) for toks, n in counted.items()), key=lambda b: (-b[2], b[1]))
+    assert [(b.source, b.tokens, b.count) for b in aggregate_branches(lookups)] == expected
