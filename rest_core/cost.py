@@ -206,7 +206,10 @@ class CostModel:
         tree's node order (node 1 first)."""
         if tree.draft_size == 0:
             return tree, None
-        order, chance = self.ranked(tree)
+        return self.cut(tree, *self.ranked(tree))
+
+    def cut(self, tree: DraftTree, order: np.ndarray, chance: np.ndarray) -> tuple[DraftTree, dict]:
+        """`decide` for a tree already ranked (`ranked(tree)`: its draft nodes best first and their chances)."""
         budget = self._best_budget(chance)
         kept = order[:budget]
         by_node = chance[:budget][np.argsort(kept)]  # keep_nodes keeps the nodes in their order in the tree

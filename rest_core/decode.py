@@ -32,7 +32,7 @@ from rest_core.phases import PHASES, PhaseTimer
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
 from rest_core.sampling import Sampling, draw_token, greedy_choices, next_token_probs, top_successors
 from rest_core.trace import Branch, StepHook, StepTrace
-from rest_core.tree import DraftTree, build_draft_tree, root_only
+from rest_core.tree import DraftTree, build_draft_tree, root_only, row_order
 from rest_core.verify import Verdict, tree_forward, verify
 
 if TYPE_CHECKING:
@@ -188,14 +188,11 @@ def aggregate_branches(lookups: Sequence[Lookup]) -> list[Branch]:
     (ties in token order)."""
     branches = []
     for lk in lookups:
-        rows = np.ascontiguousarray(lk.continuations)
+        rows = lk.continuations
         k = rows.shape[0]
         if k == 0:
             continue
-        # equal rows are equal byte strings: one sort of the rows as bytes brings them together (any order
-        # does, the branches are sorted below), then a run of equal rows is one branch
-        as_bytes = rows.view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
-        rows = rows[np.argsort(as_bytes, kind="stable")]
+        rows = rows[row_order(rows)]  # equal rows side by side: a run of them is one branch
         first = np.ones(k, dtype=bool)
         first[1:] = (rows[1:] != rows[:-1]).any(axis=1)
         starts = np.flatnonzero(first)

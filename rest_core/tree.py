@@ -96,7 +96,7 @@ def _stack_rows(lookups, base_weights: dict[str, float]):
     return rows, np.concatenate(src_ids), unit, names
 
 
-def _row_order(rows: np.ndarray) -> np.ndarray:
+def row_order(rows: np.ndarray) -> np.ndarray:
     """The stable lexicographic order of the rows (ids >= -1), as np.lexsort(rows.T[::-1]) gives it: each
     row as one big-endian byte string, so one comparison sort does it (several times faster than a
     lexsort over 24 columns)."""
@@ -109,7 +109,7 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> t
     sorted row, parent candidate, dominant source, its share and support, as flat arrays ordered
     by depth, then sorted-row order; plus the total weight.  All depths at once: a prefix is a run
     of sorted rows that agree up to its depth."""
-    order = _row_order(rows)  # (k,) sort by column 0, then 1, ...
+    order = row_order(rows)  # (k,) sort by column 0, then 1, ...
     rows, src = rows[order], src[order]
     k, width = rows.shape
     differs = np.ones_like(rows, dtype=bool)  # (k, L)

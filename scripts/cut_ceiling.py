@@ -48,9 +48,12 @@ class _RecordingChooser:
         self.seen: list[tuple[DraftTree, np.ndarray, np.ndarray]] = []  # (tree, ranked nodes, their chances)
 
     def decide(self, tree: DraftTree):
-        order, chance = self._chooser.ranked(tree) if tree.draft_size else (np.zeros(0, int), np.zeros(0))
+        if tree.draft_size == 0:
+            self.seen.append((tree, np.zeros(0, int), np.zeros(0)))
+            return self._chooser.decide(tree)
+        order, chance = self._chooser.ranked(tree)
         self.seen.append((tree, order, chance))
-        return self._chooser.decide(tree)
+        return self._chooser.cut(tree, order, chance)  # ranked once, as decide would
 
     def __getattr__(self, name):
         return getattr(self._chooser, name)
@@ -134,8 +137,7 @@ def knowing_the_answer(rows: Sequence[dict], forward_ms: Callable) -> Callable[[
         budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= row["candidates"]]
         tokens = np.array([1.0 + accepted_within(row, int(b)) for b in budgets])
         options.append((budgets, tokens, forward_ms(budgets + 1)))
-    picks = [0] * len(rows)  # start from plain steps
-    rate = len(rows) / sum(float(ms[0]) for _, _, ms in options)
+    rate = len(rows) / sum(float(ms[0]) for _, _, ms in options)  # start from plain steps
     while True:
         picks = [int((tokens - rate * ms).argmax()) for _, tokens, ms in options]
         better = sum(tokens[i] for (_, tokens, _), i in zip(options, picks)) \

@@ -1,14 +1,15 @@
 """Draft tree and tree mask: checked against a brute-force trie and the ancestor relation."""
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rest_core.tree import ancestor_matrix, build_draft_tree, prune_tree, tree_mask, tree_positions
+from rest_core.decode import aggregate_branches
+from rest_core.tree import ancestor_matrix, build_draft_tree, prune_tree, row_order, tree_mask, tree_positions
 
 from oracle import OracleLookup
 
@@ -146,24 +147,18 @@ def test_pruning_a_tree_equals_building_it_with_the_smaller_budget(lookups, big,
 
 
 def test_rows_sort_as_lexsort_sorts_them():
-    from rest_core.tree import _row_order
-
     rng = np.random.default_rng(3)
     for width in (1, 3, 24):
         rows = rng.integers(-1, 4, size=(500, width))
         rows[::7] = rows[1]  # ties keep their order
-        np.testing.assert_array_equal(_row_order(rows), np.lexsort(rows.T[::-1]))
+        np.testing.assert_array_equal(row_order(rows), np.lexsort(rows.T[::-1]))
     big = np.array([[70_000, 5], [-1, 9], [65_536, 2], [255, 256]])
-    np.testing.assert_array_equal(_row_order(big), np.lexsort(big.T[::-1]))
+    np.testing.assert_array_equal(row_order(big), np.lexsort(big.T[::-1]))
 
 
 @settings(max_examples=100, deadline=None)
 @given(lookups=lookups_strategy())
 def test_branches_are_every_distinct_continuation_with_its_count(lookups):
-    from collections import Counter
-
-    from rest_core.decode import aggregate_branches
-
     lookups = [*lookups, OracleLookup("history", 0, 0, np.zeros((0, 4), dtype=np.int64))]  # a miss adds nothing
     expected = []
     for lk in lookups:
