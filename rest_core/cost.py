@@ -74,6 +74,9 @@ MAX_COUNT = 5000.0  # per cell: older observations fade so the calibration keeps
 STATS_VERSION = 3  # 3: the model source drafts from pairs of tokens too (its cells mean other things)
 REQUEST_WEIGHT = 4.0  # expected acceptances behind each request's correction: a few steps move it
 MAX_CHANCE = 0.99  # a corrected conditional chance stays below certainty
+RECENT_PASSES = 9  # a size's real cost on the curve: the median of its last this many passes ...
+MIN_PASSES = 5  # ... once it has at least this many
+STALE_STEPS = 128  # a size no step ran in this many steps goes back to its calibrated time
 
 
 @dataclass
@@ -88,9 +91,17 @@ class CostModel:
     stats_path: Path | None = None  # where the acceptance counts persist between runs
     labels: dict[str, str] = field(default_factory=dict)  # source name -> the store's label (the key on disk)
     kind: str = ""  # what is being decoded: "chat", "text" ("" = not told); acceptance is kept per kind
+    # the curve as calibrated, and per grid size the implied times of its last passes and the step of the newest
+    _calibrated: np.ndarray = field(init=False, repr=False)
     _recent: dict = field(default_factory=dict, repr=False)
+    _ran_at: dict = field(default_factory=dict, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)  # steps observed
     # per draft source, in the request being decoded: (accepted, expected by the cells) of its tested nodes
     _request: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.times_ms = np.array(self.times_ms, dtype=float)
+        self._calibrated = self.times_ms.copy()
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -252,22 +263,40 @@ class CostModel:
         A pass over q tokens between two grid sizes informs both: scaled by the curve's own shape, it says
         what each of them costs now.  (Most budgets the choice makes -- 8, 10, 12, 16 drafts -- give passes
         of 9, 11, 13, 17 tokens, off the grid: refreshing only at grid sizes left the calibration's cost of
-        large trees in place while small ones took their real, higher cost, so large trees looked cheap.)"""
+        large trees in place while small ones took their real, higher cost, so large trees looked cheap.)
+        A size's own timings count while it is run: one that no step ran in the last STALE_STEPS steps
+        goes back to its calibrated time, so a burst of load that made large trees look dear (and kept
+        the budget too small to run them again) does not stay on the curve for the life of the process."""
+        self._steps += 1
         grid = self.grid
-        if not grid[0] <= q <= grid[-1]:
-            return
-        j = int(np.searchsorted(grid, q, side="right")) - 1  # grid[j] <= q
-        predicted = self.forward_ms(q)
-        for i in ([j] if grid[j] == q else [j, j + 1]):
-            implied = forward_ms * self.times_ms[i] / predicted if predicted > 0 else forward_ms
-            recent = self._recent.setdefault(grid[i], deque(maxlen=9))
-            recent.append(implied)
-            if len(recent) >= 5:
-                self.times_ms[i] = float(np.median(recent))
-                # fewer tokens never cost more: a real pass over q tokens caps every smaller size, so a
-                # calibration spoiled by a burst of load at q = 1 cannot keep the budget at its largest
-                self.times_ms[:i] = np.minimum(self.times_ms[:i], self.times_ms[i])
-                self.times_ms[i + 1:] = np.maximum(self.times_ms[i + 1:], self.times_ms[i])  # nor more, less
+        changed = False
+        if grid[0] <= q <= grid[-1]:
+            j = int(np.searchsorted(grid, q, side="right")) - 1  # grid[j] <= q
+            predicted = self.forward_ms(q)
+            for i in ([j] if grid[j] == q else [j, j + 1]):
+                implied = forward_ms * self.times_ms[i] / predicted if predicted > 0 else forward_ms
+                self._recent.setdefault(grid[i], deque(maxlen=RECENT_PASSES)).append(implied)
+                self._ran_at[grid[i]] = self._steps
+                changed = True
+        for size in [s for s, at in self._ran_at.items() if at <= self._steps - STALE_STEPS]:
+            del self._ran_at[size], self._recent[size]
+            changed = True
+        if changed:
+            self._rebuild_curve()
+
+    def _rebuild_curve(self) -> None:
+        """The calibrated curve with every size that has enough recent passes at their median, applied oldest
+        first: fewer tokens never cost more, so a real pass over q tokens caps every smaller size (a
+        calibration spoiled by a burst of load at q = 1 cannot keep the budget at its largest) and floors
+        every larger one; the newest passes win where two sizes disagree."""
+        times = self._calibrated.copy()
+        ready = sorted((at, self.grid.index(size)) for size, at in self._ran_at.items()
+                       if len(self._recent[size]) >= MIN_PASSES)
+        for _, i in ready:
+            times[i] = float(np.median(self._recent[self.grid[i]]))
+            times[:i] = np.minimum(times[:i], times[i])
+            times[i + 1:] = np.maximum(times[i + 1:], times[i])
+        self.times_ms = times
 
     def save_stats(self) -> None:
         """Keep the acceptance counts for the next run, per store (they depend on model and store, not on

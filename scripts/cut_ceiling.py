@@ -8,6 +8,9 @@ of the candidates lie on the path the model went on to take, and where the ranki
 very trees it then replays budget rules against the cost curve the run ended with:
 
 * the recorded choice, and the cost model's objective again with its chances scaled (its calibration);
+* the same chances spent at an exchange rate instead: each step takes the budget with the most expected
+  tokens - r * ms, for r a multiple of the one-token rate or the rate the chances themselves promise (the
+  rule that maximizes a sum of tokens over a sum of times when the chances are right);
 * fixed budgets (the top b of the same ranking);
 * the budgets that give all steps together the most tokens per ms for someone who knew the answer (the
   same ranking: what a perfect estimate of *which* steps pay would reach) and the accepted path alone (a
@@ -25,6 +28,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -117,35 +121,59 @@ def replay(rows: Sequence[dict], forward_ms: Callable, rule: Callable[[dict], in
     return tokens / len(rows), tokens / ms * forward_ms(1)
 
 
+def expected_tokens(row: dict, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """The cost model's candidate budgets for a step and the tokens it expects of each (1 + the chances of
+    the top b, scaled)."""
+    chance = np.minimum(np.asarray(row["chances"]) * scale, 0.99)
+    budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= chance.size]
+    return budgets, 1.0 + np.concatenate([[0.0], np.cumsum(chance)])[budgets]
+
+
 def objective(forward_ms: Callable, scale: float = 1.0) -> Callable[[dict], int]:
     """The cost model's rule, (1 + expected accepted drafts of the top b) / t(b + 1), chances scaled."""
     def rule(row: dict) -> int:
-        chance = np.minimum(np.asarray(row["chances"]) * scale, 0.99)
-        budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= chance.size]
-        gain = np.concatenate([[0.0], np.cumsum(chance)])
-        return int(budgets[int(((1.0 + gain[budgets]) / forward_ms(budgets + 1)).argmax())])
+        budgets, tokens = expected_tokens(row, scale)
+        return int(budgets[int((tokens / forward_ms(budgets + 1)).argmax())])
     return rule
 
 
-def knowing_the_answer(rows: Sequence[dict], forward_ms: Callable) -> Callable[[dict], int]:
-    """The budgets (of the cost model's candidate sizes) that give these steps together the most tokens per
-    ms, for someone who knew which candidates the model would accept.  The best rate of a sum of tokens over a
-    sum of times is found by Dinkelbach's iteration: at a rate r each step takes the budget with the most
-    tokens - r * ms, which gives a better rate unless r was the best."""
-    options = []  # per step: (budgets, tokens, ms)
-    for row in rows:
-        budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= row["candidates"]]
-        tokens = np.array([1.0 + accepted_within(row, int(b)) for b in budgets])
-        options.append((budgets, tokens, forward_ms(budgets + 1)))
-    rate = len(rows) / sum(float(ms[0]) for _, _, ms in options)  # start from plain steps
+def at_rate(rows: Sequence[dict], forward_ms: Callable, multiple: Optional[float] = None) -> Callable[[dict], int]:
+    """Each step takes the budget with the most expected tokens - r * ms.  r is `multiple` times the one-token
+    rate, or (None) the best rate of all steps together by the chances themselves (Dinkelbach's iteration
+    on expected tokens, as `knowing_the_answer` does on accepted ones)."""
+    options = [(budgets, tokens, forward_ms(budgets + 1))  # per step: (budgets, expected tokens, ms)
+               for budgets, tokens in map(expected_tokens, rows)]
+    rate = _best_rate(options) if multiple is None else multiple / forward_ms(1)
+    chosen = {id(row): int(budgets[int((tokens - rate * ms).argmax())])
+              for row, (budgets, tokens, ms) in zip(rows, options)}
+    return lambda row: chosen[id(row)]
+
+
+def _best_rate(options: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> float:
+    """The best rate sum(tokens) / sum(ms) over one option per step (Dinkelbach's iteration: at a rate r each
+    step takes the option with the most tokens - r * ms, which gives a better rate unless r was the best)."""
+    rate = len(options) / sum(float(ms[0]) for _, _, ms in options)  # start from plain steps
     while True:
         picks = [int((tokens - rate * ms).argmax()) for _, tokens, ms in options]
         better = sum(tokens[i] for (_, tokens, _), i in zip(options, picks)) \
             / sum(ms[i] for (_, _, ms), i in zip(options, picks))
         if better <= rate * (1 + 1e-12):
-            break
+            return rate
         rate = better
-    chosen = {id(row): int(budgets[i]) for row, (budgets, _, _), i in zip(rows, options, picks)}
+
+
+def knowing_the_answer(rows: Sequence[dict], forward_ms: Callable) -> Callable[[dict], int]:
+    """The budgets (of the cost model's candidate sizes) that give these steps together the most tokens per
+    ms, for someone who knew which candidates the model would accept.  The best rate of a sum of tokens over a
+    sum of times is found by Dinkelbach's iteration (`_best_rate`)."""
+    options = []  # per step: (budgets, tokens, ms)
+    for row in rows:
+        budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= row["candidates"]]
+        tokens = np.array([1.0 + accepted_within(row, int(b)) for b in budgets])
+        options.append((budgets, tokens, forward_ms(budgets + 1)))
+    rate = _best_rate(options)
+    chosen = {id(row): int(budgets[int((tokens - rate * ms).argmax())])
+              for row, (budgets, tokens, ms) in zip(rows, options)}
     return lambda row: chosen[id(row)]
 
 
@@ -160,6 +188,10 @@ def report(rows: Sequence[dict], forward_ms: Callable) -> list[str]:
 
     for scale in (0.5, 1.0, 1.5, 2.0):
         lines.append(line(f"objective, chances x {scale:.1f}", replay(rows, forward_ms, objective(forward_ms, scale))))
+    for multiple in (1.0, 1.5, 2.0, None):
+        label = "the rate the chances promise" if multiple is None else f"{multiple:.1f} x the one-token rate"
+        found = replay(rows, forward_ms, at_rate(rows, forward_ms, multiple))
+        lines.append(line(f"expected tokens - r * ms, r = {label}", found))
     for b in (2, 4, 8, 16):
         lines.append(line(f"fixed budget {b}", replay(rows, forward_ms, lambda r, b=b: b)))
     knowing = knowing_the_answer(rows, forward_ms)

@@ -217,6 +217,38 @@ def test_a_real_pass_caps_every_smaller_size_so_a_spoiled_calibration_recovers()
     assert model.forward_ms(1) == 40.0 and model.choose(tree) < tree.draft_size
 
 
+def test_a_burst_of_load_on_big_trees_does_not_stay_on_the_curve():
+    """Five slow passes of a big tree (the machine was busy) make every size from it up look dear, so the
+    budget drops to trees too small to run it again. Once the big size runs at its real cost again, the
+    larger sizes no step ran fall back with it; and a size no step runs any more returns to its calibrated
+    time after STALE_STEPS steps, so the budget can grow again and measure it anew."""
+    model = CostModel(times_ms=curve(50.0, 1.0))
+    calibrated = model.times_ms.copy()
+    big = chain_tree()  # 8 drafts: a pass over 9 tokens, between grid sizes 8 and 12
+    small = build_draft_tree(1, [OracleLookup("static", 4, 10, np.array([[11, 12]] * 10))], budget=63)
+    for _ in range(30):  # learned: the chain is always accepted whole
+        model.observe(big, list(range(9)), forward_ms=model.forward_ms(len(big)))
+    assert model.choose(big) == 8
+    for _ in range(cost.MIN_PASSES):
+        model.observe(big, list(range(9)), forward_ms=400.0)  # a burst of load
+    assert model.forward_ms(64) >= 400.0 and model.choose(big) < 8  # dear from 8 tokens up
+    for _ in range(cost.MIN_PASSES):
+        model.observe(big, list(range(9)), forward_ms=58.0)  # the big tree at its real cost again
+    assert model.choose(big) == 8
+    assert np.allclose(model.times_ms[GRID.index(16):], calibrated[GRID.index(16):])  # never run: calibrated
+
+    for _ in range(cost.MIN_PASSES):
+        model.observe(big, list(range(9)), forward_ms=400.0)  # another burst; then only small trees run
+    assert model.choose(big) < 8
+    steps = 0
+    while model.choose(big) < 8 and steps <= cost.STALE_STEPS:
+        model.observe(small, [0, 1], forward_ms=51.0)
+        steps += 1
+    assert steps == cost.STALE_STEPS  # the burst's sizes went stale STALE_STEPS steps after their last pass
+    assert np.allclose(model.times_ms[GRID.index(8):], calibrated[GRID.index(8):])
+    assert model.forward_ms(3) == 51.0  # what does run keeps its measured time
+
+
 def test_the_curve_is_measured_in_interleaved_rounds_keeping_each_sizes_fastest_pass(tiny_lm, monkeypatch):
     seen = []
     real = tiny_lm.forward
