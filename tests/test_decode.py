@@ -390,7 +390,27 @@ def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
     knowing = module.replay(rows, chooser.forward_ms, module.knowing_the_answer(rows, chooser.forward_ms))
     assert knowing[1] >= recorded[1] - 1e-9
     lines = module.report(rows, chooser.forward_ms)
-    assert lines[1].startswith("recorded choice") and len(lines) == 12
+    assert lines[1].startswith("recorded choice") and len(lines) == 16
+    assert sum(line.startswith("expected tokens - r * ms") for line in lines) == 4
+
+
+def test_chances_spent_at_an_exchange_rate_draft_while_the_margin_beats_it():
+    """On the made-up curve below, 2 drafts with chances 0.9, 0.9 give 2.8 expected tokens in 2.5 ms (the
+    step's best ratio, 1.12 per ms); 8 drafts give 7.42 in 6.9 ms (1.075), so the objective keeps 2.  At an
+    exchange rate of one token per ms the 6 more drafts are worth their 4.4 ms (4.62 tokens); at two per ms
+    not even a plain step's token is, and the rate a lone step's chances promise is its own best ratio."""
+    module = script("cut_ceiling")
+
+    def forward_ms(q):
+        q = np.asarray(q)
+        cost = np.select([q == 1, q == 3, q == 9], [1.0, 2.5, 6.9], 100.0)
+        return cost if cost.ndim else float(cost)
+
+    rows = [{"candidates": 8, "chances": [0.9, 0.9] + [0.77] * 6}]
+    assert module.objective(forward_ms)(rows[0]) == 2
+    assert module.at_rate(rows, forward_ms, 1.0)(rows[0]) == 8
+    assert module.at_rate(rows, forward_ms, 2.0)(rows[0]) == 0
+    assert module.at_rate(rows, forward_ms)(rows[0]) == 2
 
 
 def test_knowing_the_answer_finds_the_best_rate_of_all_steps_together():
