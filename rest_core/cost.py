@@ -41,8 +41,10 @@ cost curve is measured once per process for a model, device and machine.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -91,10 +93,11 @@ class CostModel:
     stats_path: Path | None = None  # where the acceptance counts persist between runs
     labels: dict[str, str] = field(default_factory=dict)  # source name -> the store's label (the key on disk)
     kind: str = ""  # what is being decoded: "chat", "text" ("" = not told); acceptance is kept per kind
-    # the curve as calibrated, and per grid size the implied times of its last passes and the step of the newest
+    # the curve as calibrated, and per grid index the implied times of its last passes and the step of the newest
     _calibrated: np.ndarray = field(init=False, repr=False)
     _recent: dict = field(default_factory=dict, repr=False)
     _ran_at: dict = field(default_factory=dict, repr=False)
+    _median: dict = field(default_factory=dict, repr=False)  # grid index -> median of its recent passes (5+)
     _steps: int = field(default=0, init=False, repr=False)  # steps observed
     # per draft source, in the request being decoded: (accepted, expected by the cells) of its tested nodes
     _request: dict = field(default_factory=dict, repr=False)
@@ -271,17 +274,21 @@ class CostModel:
         grid = self.grid
         changed = False
         if grid[0] <= q <= grid[-1]:
-            j = int(np.searchsorted(grid, q, side="right")) - 1  # grid[j] <= q
+            j = bisect.bisect_right(grid, q) - 1  # grid[j] <= q
             predicted = self.forward_ms(q)
             for i in ([j] if grid[j] == q else [j, j + 1]):
-                implied = forward_ms * self.times_ms[i] / predicted if predicted > 0 else forward_ms
-                self._recent.setdefault(grid[i], deque(maxlen=RECENT_PASSES)).append(implied)
-                self._ran_at[grid[i]] = self._steps
-                changed = True
-        for size in [s for s, at in self._ran_at.items() if at <= self._steps - STALE_STEPS]:
-            del self._ran_at[size], self._recent[size]
-            changed = True
-        if changed:
+                implied = forward_ms * float(self.times_ms[i]) / predicted if predicted > 0 else forward_ms
+                recent = self._recent.setdefault(i, deque(maxlen=RECENT_PASSES))
+                recent.append(implied)
+                self._ran_at[i] = self._steps
+                if len(recent) >= MIN_PASSES:
+                    self._median[i] = statistics.median(recent)
+                    changed = True
+        stale = [i for i, at in self._ran_at.items() if at <= self._steps - STALE_STEPS]
+        for i in stale:
+            del self._ran_at[i], self._recent[i]
+            self._median.pop(i, None)
+        if changed or stale:
             self._rebuild_curve()
 
     def _rebuild_curve(self) -> None:
@@ -289,14 +296,12 @@ class CostModel:
         first: fewer tokens never cost more, so a real pass over q tokens caps every smaller size (a
         calibration spoiled by a burst of load at q = 1 cannot keep the budget at its largest) and floors
         every larger one; the newest passes win where two sizes disagree."""
-        times = self._calibrated.copy()
-        ready = sorted((at, self.grid.index(size)) for size, at in self._ran_at.items()
-                       if len(self._recent[size]) >= MIN_PASSES)
-        for _, i in ready:
-            times[i] = float(np.median(self._recent[self.grid[i]]))
-            times[:i] = np.minimum(times[:i], times[i])
-            times[i + 1:] = np.maximum(times[i + 1:], times[i])
-        self.times_ms = times
+        times = self._calibrated.tolist()
+        for _, i in sorted((self._ran_at[i], i) for i in self._median):
+            t = times[i] = self._median[i]
+            times[:i] = [min(x, t) for x in times[:i]]
+            times[i + 1:] = [max(x, t) for x in times[i + 1:]]
+        self.times_ms = np.array(times)
 
     def save_stats(self) -> None:
         """Keep the acceptance counts for the next run, per store (they depend on model and store, not on
