@@ -93,11 +93,8 @@ class CostModel:
     stats_path: Path | None = None  # where the acceptance counts persist between runs
     labels: dict[str, str] = field(default_factory=dict)  # source name -> the store's label (the key on disk)
     kind: str = ""  # what is being decoded: "chat", "text" ("" = not told); acceptance is kept per kind
-    # the curve as calibrated, and per grid index the implied times of its last passes and the step of the newest
-    _calibrated: np.ndarray = field(init=False, repr=False)
-    _recent: dict = field(default_factory=dict, repr=False)
-    _ran_at: dict = field(default_factory=dict, repr=False)
-    _median: dict = field(default_factory=dict, repr=False)  # grid index -> median of its recent passes (5+)
+    _calibrated: np.ndarray = field(init=False, repr=False)  # the curve as calibrated
+    _passes: dict = field(default_factory=dict, repr=False)  # grid index -> its _Passes, while steps run it
     _steps: int = field(default=0, init=False, repr=False)  # steps observed
     # per draft source, in the request being decoded: (accepted, expected by the cells) of its tested nodes
     _request: dict = field(default_factory=dict, repr=False)
@@ -278,17 +275,12 @@ class CostModel:
             predicted = self.forward_ms(q)
             for i in ([j] if grid[j] == q else [j, j + 1]):
                 implied = forward_ms * float(self.times_ms[i]) / predicted if predicted > 0 else forward_ms
-                recent = self._recent.setdefault(i, deque(maxlen=RECENT_PASSES))
-                recent.append(implied)
-                self._ran_at[i] = self._steps
-                if len(recent) >= MIN_PASSES:
-                    self._median[i] = statistics.median(recent)
-                    changed = True
-        stale = [i for i, at in self._ran_at.items() if at <= self._steps - STALE_STEPS]
+                passes = self._passes.setdefault(i, _Passes())
+                changed = passes.add(implied, self._steps) or changed
+        stale = [i for i, passes in self._passes.items() if passes.at <= self._steps - STALE_STEPS]
         for i in stale:
-            del self._ran_at[i], self._recent[i]
-            self._median.pop(i, None)
-        if changed or stale:
+            changed = self._passes.pop(i).median is not None or changed
+        if changed:
             self._rebuild_curve()
 
     def _rebuild_curve(self) -> None:
@@ -297,8 +289,8 @@ class CostModel:
         calibration spoiled by a burst of load at q = 1 cannot keep the budget at its largest) and floors
         every larger one; the newest passes win where two sizes disagree."""
         times = self._calibrated.tolist()
-        for _, i in sorted((self._ran_at[i], i) for i in self._median):
-            t = times[i] = self._median[i]
+        for _, i, t in sorted((p.at, i, p.median) for i, p in self._passes.items() if p.median is not None):
+            times[i] = t
             times[:i] = [min(x, t) for x in times[:i]]
             times[i + 1:] = [max(x, t) for x in times[i + 1:]]
         self.times_ms = np.array(times)
@@ -337,6 +329,24 @@ class CostModel:
             suffix = f" [{self.kind}]"
             return key[:-len(suffix)] if key.endswith(suffix) else None
         return None if key.endswith("]") and " [" in key else key
+
+
+@dataclass
+class _Passes:
+    """One grid size's last real passes (the times they imply for it), the step of the newest, and their
+    median once there are MIN_PASSES of them."""
+    times: deque = field(default_factory=lambda: deque(maxlen=RECENT_PASSES))
+    at: int = 0
+    median: Optional[float] = None
+
+    def add(self, implied_ms: float, step: int) -> bool:
+        """Keep one more pass; True when the median (the size's time on the curve) was set."""
+        self.times.append(implied_ms)
+        self.at = step
+        if len(self.times) < MIN_PASSES:
+            return False
+        self.median = statistics.median(self.times)
+        return True
 
 
 def _cells(tree: DraftTree) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rest_core.bench.methods import rest_full_stores
 from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
-from rest_core.cost import CANDIDATE_BUDGETS, CostModel
+from rest_core.cost import CANDIDATE_BUDGETS, MAX_CHANCE, CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
 from rest_core.machine import cpu_info
 from rest_core.model import load_model
@@ -124,7 +124,7 @@ def replay(rows: Sequence[dict], forward_ms: Callable, rule: Callable[[dict], in
 def expected_tokens(row: dict, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """The cost model's candidate budgets for a step and the tokens it expects of each (1 + the chances of
     the top b, scaled)."""
-    chance = np.minimum(np.asarray(row["chances"]) * scale, 0.99)
+    chance = np.minimum(np.asarray(row["chances"]) * scale, MAX_CHANCE)
     budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= chance.size]
     return budgets, 1.0 + np.concatenate([[0.0], np.cumsum(chance)])[budgets]
 
@@ -143,7 +143,13 @@ def at_rate(rows: Sequence[dict], forward_ms: Callable, multiple: Optional[float
     on expected tokens, as `knowing_the_answer` does on accepted ones)."""
     options = [(budgets, tokens, forward_ms(budgets + 1))  # per step: (budgets, expected tokens, ms)
                for budgets, tokens in map(expected_tokens, rows)]
-    rate = _best_rate(options) if multiple is None else multiple / forward_ms(1)
+    return _rule_at(rows, options, _best_rate(options) if multiple is None else multiple / forward_ms(1))
+
+
+def _rule_at(rows: Sequence[dict], options: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+             rate: float) -> Callable[[dict], int]:
+    """The rule that gives each of these steps the budget (of its options: budgets, tokens, ms) with the most
+    tokens - rate * ms."""
     chosen = {id(row): int(budgets[int((tokens - rate * ms).argmax())])
               for row, (budgets, tokens, ms) in zip(rows, options)}
     return lambda row: chosen[id(row)]
@@ -171,10 +177,7 @@ def knowing_the_answer(rows: Sequence[dict], forward_ms: Callable) -> Callable[[
         budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= row["candidates"]]
         tokens = np.array([1.0 + accepted_within(row, int(b)) for b in budgets])
         options.append((budgets, tokens, forward_ms(budgets + 1)))
-    rate = _best_rate(options)
-    chosen = {id(row): int(budgets[int((tokens - rate * ms).argmax())])
-              for row, (budgets, tokens, ms) in zip(rows, options)}
-    return lambda row: chosen[id(row)]
+    return _rule_at(rows, options, _best_rate(options))
 
 
 def report(rows: Sequence[dict], forward_ms: Callable) -> list[str]:

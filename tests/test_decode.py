@@ -394,47 +394,42 @@ def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
     assert sum(line.startswith("expected tokens - r * ms") for line in lines) == 4
 
 
+def made_up_curve(q):
+    """A cost curve for the replay tests: 1 token 1 ms, 3 tokens 2.5 ms, 9 tokens 6.9 ms, any other size 100 ms."""
+    q = np.asarray(q)
+    cost = np.select([q == 1, q == 3, q == 9], [1.0, 2.5, 6.9], 100.0)
+    return cost if cost.ndim else float(cost)
+
+
 def test_chances_spent_at_an_exchange_rate_draft_while_the_margin_beats_it():
-    """On the made-up curve below, 2 drafts with chances 0.9, 0.9 give 2.8 expected tokens in 2.5 ms (the
+    """On `made_up_curve`, 2 drafts with chances 0.9, 0.9 give 2.8 expected tokens in 2.5 ms (the
     step's best ratio, 1.12 per ms); 8 drafts give 7.42 in 6.9 ms (1.075), so the objective keeps 2.  At an
     exchange rate of one token per ms the 6 more drafts are worth their 4.4 ms (4.62 tokens); at two per ms
     not even a plain step's token is, and the rate a lone step's chances promise is its own best ratio."""
     module = script("cut_ceiling")
-
-    def forward_ms(q):
-        q = np.asarray(q)
-        cost = np.select([q == 1, q == 3, q == 9], [1.0, 2.5, 6.9], 100.0)
-        return cost if cost.ndim else float(cost)
-
     rows = [{"candidates": 8, "chances": [0.9, 0.9] + [0.77] * 6}]
-    assert module.objective(forward_ms)(rows[0]) == 2
-    assert module.at_rate(rows, forward_ms, 1.0)(rows[0]) == 8
-    assert module.at_rate(rows, forward_ms, 2.0)(rows[0]) == 0
-    assert module.at_rate(rows, forward_ms)(rows[0]) == 2
+    assert module.objective(made_up_curve)(rows[0]) == 2
+    assert module.at_rate(rows, made_up_curve, 1.0)(rows[0]) == 8
+    assert module.at_rate(rows, made_up_curve, 2.0)(rows[0]) == 0
+    assert module.at_rate(rows, made_up_curve)(rows[0]) == 2
 
 
 def test_knowing_the_answer_finds_the_best_rate_of_all_steps_together():
-    """Two steps on a made-up curve (1 token 1 ms, 3 tokens 2.5 ms, 9 tokens 6.9 ms, any other size 100 ms).
+    """Two steps on `made_up_curve`.
     The first step's answer starts at its third-ranked candidate: 8 drafts give 7 tokens in 6.9 ms, a rate
     above a plain step's; the second's 2 drafts give 3 tokens in 2.5 ms.  Each step's own best rate drafts
     both (10 tokens in 9.4 ms); the best rate of the two together keeps the first step plain (4 in 3.5)."""
     module = script("cut_ceiling")
-
-    def forward_ms(q):
-        q = np.asarray(q)
-        cost = np.select([q == 1, q == 3, q == 9], [1.0, 2.5, 6.9], 100.0)
-        return cost if cost.ndim else float(cost)
-
     rows = [{"candidates": 8, "ranks": [2, 3, 4, 5, 6, 7], "kept": 8, "accepted": 6, "chances": [0.5] * 8},
             {"candidates": 2, "ranks": [0, 1], "kept": 2, "accepted": 2, "chances": [0.5] * 2}]
-    each_alone = module.replay(rows, forward_ms, lambda r: r["kept"])
+    each_alone = module.replay(rows, made_up_curve, lambda r: r["kept"])
     assert each_alone == (10 / 2, 10 / 9.4)
-    knowing = module.knowing_the_answer(rows, forward_ms)
+    knowing = module.knowing_the_answer(rows, made_up_curve)
     assert knowing(rows[0]) == 0 and knowing(rows[1]) == 2
-    best = module.replay(rows, forward_ms, knowing)
+    best = module.replay(rows, made_up_curve, knowing)
     assert best == (4 / 2, 4 / 3.5) and best[1] > each_alone[1]
     for first in module.CANDIDATE_BUDGETS[module.CANDIDATE_BUDGETS <= 8]:  # no other pair of budgets does better
         for second in (0, 1, 2):
             picks = {0: int(first), 1: second}
-            other = module.replay(rows, forward_ms, lambda r, picks=picks: picks[rows.index(r)])
+            other = module.replay(rows, made_up_curve, lambda r, picks=picks: picks[rows.index(r)])
             assert other[1] <= best[1]
