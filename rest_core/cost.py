@@ -57,6 +57,7 @@ import torch
 from transformers import DynamicCache
 
 from datastores.common import cache_dir, safe_file_name, write_atomic
+from rest_core.kernels import ROWS
 from rest_core.machine import machine_key
 from rest_core.tree import DraftTree, keep_nodes
 
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
     from datastores import Store
     from rest_core.model import LoadedModel
 
-GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # query sizes the cost curve is measured at
+GRID = ROWS  # query sizes the cost curve is measured at: the row counts the linear kernels are chosen at
 CANDIDATE_BUDGETS = np.array([0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 63])  # draft sizes weighed
 BINS = np.array([0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.9, 1.0001])  # ratio bins (a node's share of its parent's rows)
 DEPTHS = 4  # depth cells: 1, 2, 3, 4 and deeper

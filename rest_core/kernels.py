@@ -43,14 +43,19 @@ from torch import nn
 from datastores.common import cache_dir, safe_file_name, write_atomic
 from rest_core.machine import machine_key
 
-ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; others use the nearest below
+# row counts measured: every query size the cost curve is measured at (rest_core.cost.GRID), so each tree
+# size the budget weighs runs a kernel timed at that very size; between two of them the times are
+# interpolated (a kernel's cost can turn between neighbours: on a 2-vCPU AMD EPYC with AVX-512 the
+# transposed product won at 2 rows and cost 50% more than oneDNN's at 3, so "the choice at 2" ran 3-row
+# passes at 1.35x a one-token pass where 2 and 4 rows cost 1.10x and 0.97x)
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 MAX_ROWS = 64  # above this, the choice at 64 rows applies (prefill)
 ROUNDS = 9  # interleaved timing rounds per row count
 MARGIN = 0.05  # another kernel must be this much faster than the default: ties keep the default
 MARGIN_ONE_ROW = 0.15  # for one row (every step of plain decoding) only a clear win counts: a layer timed
 # alone showed the output layer 12% faster prepacked at one row, yet whole one-token passes ran 2-4% slower
 ENV = "REST_LAB_KERNELS"  # "auto" (default): measure and choose; "default": transformers' layers unchanged
-VERSION = 2  # of the cached file's layout and of the timing method
+VERSION = 3  # of the cached file's layout and of the timing method (3: rows between measured counts interpolated)
 KERNELS = ("default", "packed", "transposed")  # index 0 is transformers' own F.linear
 DEFAULT, PACKED, TRANSPOSED = range(len(KERNELS))
 
@@ -149,20 +154,35 @@ class KernelChoice:
     def enabled(self, on: bool) -> None:
         """False: every layer uses the default kernel (for side-by-side measurements); True: the choice."""
         self._enabled = bool(on)
-        plans = {shape: tuple(KERNELS.index(k) for k in row_table(table)) for shape, table in self.kernel.items()}
+        plans = {shape: tuple(KERNELS.index(k) for k in self.plan_of(shape)) for shape in self.kernel}
         for layer in self.layers:
             plan = plans.get(layer.shape, ())
             layer.plan = plan if self._enabled and any(plan) else ()
 
+    def plan_of(self, shape: Shape) -> tuple[str, ...]:
+        """Per row count 0..MAX_ROWS, the kernel this shape runs: the one chosen at the measured counts around
+        it when they agree (the count itself where it was measured), else the fastest on the times
+        interpolated between them."""
+        table = self.kernel[shape]
+        times = self.timings_ms.get(shape, {})
+        out = []
+        for r, (below, above) in enumerate(row_neighbours(sorted(table))):
+            if table[below] == table[above] or below not in times or above not in times:
+                out.append(table[below])
+            else:
+                w = (r - below) / (above - below)
+                out.append(fastest({k: (1 - w) * times[below][k] + w * times[above][k] for k in KERNELS}, r))
+        return tuple(out)
+
     def uses(self, shape: Shape, kernel: str) -> bool:
         """Whether some row count of this shape runs `kernel`."""
-        return kernel in self.kernel.get(shape, {}).values()
+        return kernel in self.plan_of(shape)
 
     def _chosen(self) -> dict[str, dict[str, list[int]]]:
-        """shape text -> kernel -> the row counts that run it, other kernels than the default only."""
+        """shape text -> kernel -> the row counts (1..MAX_ROWS) that run it, other kernels than the default only."""
         out: dict[str, dict[str, list[int]]] = {}
-        for (o, i), table in sorted(self.kernel.items()):
-            for r, k in sorted(table.items()):
+        for (o, i) in sorted(self.kernel):
+            for r, k in enumerate(self.plan_of((o, i))[1:], start=1):
                 if k != "default":
                     out.setdefault(f"{o}x{i}", {}).setdefault(k, []).append(r)
         return out
@@ -191,20 +211,30 @@ class KernelChoice:
         return " and ".join(parts)
 
 
-def row_table(table: dict[int, object]) -> tuple:
-    """Per row count 0..MAX_ROWS, the value measured at the nearest row count at or below it."""
-    measured = sorted(table)
+def row_neighbours(measured: list[int]) -> list[tuple[int, int]]:
+    """Per row count 0..MAX_ROWS, the measured counts at or below and at or above it (the same count where it
+    was measured; the nearest one at either end of the measured range)."""
     out = []
     for r in range(MAX_ROWS + 1):
         below = [m for m in measured if m <= r]
-        out.append(table[below[-1] if below else measured[0]])
-    return tuple(out)
+        above = [m for m in measured if m >= r]
+        lo = below[-1] if below else measured[0]
+        hi = above[0] if above else measured[-1]
+        out.append((lo, hi) if below and above else (lo, lo) if below else (hi, hi))
+    return out
 
 
 def _ranges(rows: list[int]) -> str:
+    """Row counts as runs: [1, 2, 3, 8, 9] -> '1-3, 8-9'."""
     if not rows:
         return "none"
-    return ", ".join(str(r) for r in rows)
+    runs: list[list[int]] = []
+    for r in sorted(rows):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 @torch.inference_mode()

@@ -20,7 +20,16 @@ from rest_core.bench import BenchPrompt, run_benchmark
 from rest_core.bench.cli import kernel_variants
 from rest_core.bench.verify_pass import cost_curves, verify_markdown
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
-from rest_core.kernels import KERNELS, ROWS, KernelChoice, TunedLinear, kernels_mode, row_table, tune_linears
+from rest_core.kernels import (
+    KERNELS,
+    MAX_ROWS,
+    ROWS,
+    KernelChoice,
+    TunedLinear,
+    kernels_mode,
+    row_neighbours,
+    tune_linears,
+)
 
 from conftest import make_tiny_lm, script
 from oracle import BruteForceStore
@@ -131,8 +140,19 @@ def test_the_switch_turns_the_tuned_kernels_off(monkeypatch):
 
 
 def test_the_choice_follows_the_measured_times_per_row_count():
-    assert row_table({1: False, 2: True, 8: False})[:10] == (False, False, True, True, True, True, True, True,
-                                                               False, False)
+    assert row_neighbours([1, 2, 8])[:10] == [(1, 1), (1, 1), (2, 2), (2, 8), (2, 8), (2, 8), (2, 8), (2, 8),
+                                              (8, 8), (8, 8)]
+    assert row_neighbours([1, 2, 8])[MAX_ROWS] == (8, 8)  # past the last measured count: that count's choice
+    # between two measured counts the times are interpolated: a kernel that wins narrowly at 2 rows and
+    # loses by far at 4 is not run at 3 (a CPU where that happened: kernels.ROWS)
+    made_up = KernelChoice(timings_ms={(8, 8): {1: {"default": 10.0, "packed": 10.0, "transposed": 10.0},
+                                                2: {"default": 10.0, "packed": 6.1, "transposed": 6.0},
+                                                4: {"default": 10.0, "packed": 6.2, "transposed": 12.0}}})
+    made_up.kernel = {(8, 8): {r: kernels.fastest(t, r) for r, t in made_up.timings_ms[(8, 8)].items()}}
+    plan = made_up.plan_of((8, 8))
+    assert plan[:5] == ("default", "default", "transposed", "packed", "packed") and plan[MAX_ROWS] == "packed"
+    assert made_up.uses((8, 8), "transposed") and "transposed product (W @ x.T) for 8x8: rows 2" in made_up.describe()
+    assert "oneDNN prepacked for 8x8: rows 3-64" in made_up.describe()
     lm = make_tiny_lm(layers=1)
     choice = tune_linears(lm.model, "tiny-random")
     assert choice.source == "measured" and choice.measured_s > 0
@@ -154,6 +174,7 @@ def test_the_choice_follows_the_measured_times_per_row_count():
             assert layer.plan == ()  # nothing to choose: the default path, no lookup per call
         else:  # each measured row count runs the kernel chosen for it
             assert all(layer.plan[r] == KERNELS.index(table[r]) for r in ROWS)
+            assert layer.plan == tuple(KERNELS.index(k) for k in choice.plan_of(layer.shape))
 
 
 def test_calibration_is_kept_per_machine_key_and_measured_again_on_a_new_one(monkeypatch, tmp_path):
