@@ -100,6 +100,9 @@ def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
     cap = torch.backends.cpu.get_cpu_capability()
     assert data["machine"]["cpu_capability"] == cap and f"torch uses {cap}" in md
     assert data["machine"]["cpu"] in md and (data["machine"]["cpu_vendor"] or "") in md
+    if data["machine"]["cpu_family"]:  # a virtual machine's bare "AMD EPYC": family and model tell which one
+        assert f"family/model {data['machine']['cpu_family']}" in md
+    assert all(f in md for f in data["machine"]["cpu_features"])
     recs = data["records"]
     assert len(recs) == 2 * len(GREEDY) and all(r["ok"] for r in recs)
     # interleaved, the order rotating per prompt

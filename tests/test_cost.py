@@ -194,8 +194,15 @@ def test_the_calibration_is_kept_per_machine(tiny_lm, monkeypatch):
     monkeypatch.setattr(machine.torch, "__version__", "0.0.0-other")
     assert cost._calibration_path(tiny_lm) != here  # another torch: measured again
     monkeypatch.undo()
-    monkeypatch.setattr(machine, "cpu_info", lambda: {"cpu": "Other CPU", "cpu_vendor": "x", "cpu_capability": "AVX2"})
+    info = {"cpu": "AMD EPYC", "cpu_vendor": "AuthenticAMD", "cpu_family": "25/1", "cpu_features": ["avx2"],
+            "cpu_capability": "AVX2"}
+    monkeypatch.setattr(machine, "cpu_info", lambda: info)
     assert cost._calibration_path(tiny_lm) != here  # another CPU or instruction set: measured again
+    zen3 = cost._calibration_path(tiny_lm)
+    info.update(cpu_family="26/2", cpu_features=["avx2", "avx512f", "avx512_bf16"], cpu_capability="AVX512")
+    assert cost._calibration_path(tiny_lm) != zen3  # the same name, another generation: measured again
+    info.update(cpu_capability="AVX2")
+    assert cost._calibration_path(tiny_lm) != zen3  # the family and features alone tell it apart
 
 
 def test_a_real_pass_caps_every_smaller_size_so_a_spoiled_calibration_recovers():
