@@ -309,8 +309,9 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True) -> Optional[Ke
         choice = _measure(layers)
         if cache:
             _write_cache(path, choice)
+    packed = {shape for shape in shapes if choice.uses(shape, "packed")}
     for layer in layers:  # keep the packed copies only where they are used
-        if choice.uses(layer.shape, "packed"):
+        if layer.shape in packed:
             layer.pack()
         else:
             layer.packed = None
