@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
-from rest_core.bench.report import loadavg, machine_info
+from rest_core.bench.report import cpu_line, loadavg, machine_info
 from rest_core.cost import GRID
 from rest_core.model import LoadedModel
 
@@ -148,7 +148,8 @@ def run_verify_pass(lm: LoadedModel, out: Path, rounds: int = 7, command: str = 
 def verify_markdown(results: dict) -> str:
     """The cost curve (ms and relative to one token, per kernel mode and prefix) and the profile table."""
     mc = results["machine"]
-    lines = [f"# Verify pass cost: {mc.get('cpu', '?')}, torch threads {mc.get('torch_threads', '?')}", "",
+    cpu = cpu_line(mc) if "cpu" in mc else "?"
+    lines = [f"# Verify pass cost: {cpu}, torch threads {mc.get('torch_threads', '?')}", "",
              f"Kernels: {results['kernels']}; load average {mc.get('loadavg_start')} at start, "
              f"{mc.get('loadavg_end')} at end.", "", f"Command: `{results['command']}`", ""]
     for p, by_mode in results["curves"].items():
