@@ -55,7 +55,7 @@ MARGIN = 0.05  # another kernel must be this much faster than the default: ties 
 MARGIN_ONE_ROW = 0.15  # for one row (every step of plain decoding) only a clear win counts: a layer timed
 # alone showed the output layer 12% faster prepacked at one row, yet whole one-token passes ran 2-4% slower
 ENV = "REST_LAB_KERNELS"  # "auto" (default): measure and choose; "default": transformers' layers unchanged
-VERSION = 3  # of the cached file's layout and of the timing method (3: rows between measured counts interpolated)
+VERSION = 3  # of the cached file's layout and of the timing method (3: every size of the cost curve's grid)
 KERNELS = ("default", "packed", "transposed")  # index 0 is transformers' own F.linear
 DEFAULT, PACKED, TRANSPOSED = range(len(KERNELS))
 
@@ -218,9 +218,7 @@ def row_neighbours(measured: list[int]) -> list[tuple[int, int]]:
     for r in range(MAX_ROWS + 1):
         below = [m for m in measured if m <= r]
         above = [m for m in measured if m >= r]
-        lo = below[-1] if below else measured[0]
-        hi = above[0] if above else measured[-1]
-        out.append((lo, hi) if below and above else (lo, lo) if below else (hi, hi))
+        out.append((below[-1] if below else above[0], above[0] if above else below[-1]))
     return out
 
 
