@@ -8,7 +8,8 @@ number of draft tokens follows the expected gain:
 t(q) is the measured time of one forward pass over q tokens (calibrated once
 per model, device, dtype and machine -- rest_core.machine.machine_key: CPU,
 instruction set, threads, torch version -- cached, and refreshed with every
-step's real timing).  E[accepted] sums each kept node's chance of being accepted,
+step's real timing: a level, the machine's speed now, times a shape, what a pass over q tokens costs
+in one-token passes; only the shape decides).  E[accepted] sums each kept node's chance of being accepted,
 and a node is accepted only when its parent is: its chance is the product, along
 its path, of each node's chance of being accepted *once its parent was*.
 
@@ -77,9 +78,12 @@ MAX_COUNT = 5000.0  # per cell: older observations fade so the calibration keeps
 STATS_VERSION = 3  # 3: the model source drafts from pairs of tokens too (its cells mean other things)
 REQUEST_WEIGHT = 4.0  # expected acceptances behind each request's correction: a few steps move it
 MAX_CHANCE = 0.99  # a corrected conditional chance stays below certainty
-RECENT_PASSES = 9  # a size's real cost on the curve: the median of its last this many passes ...
+RECENT_PASSES = 9  # a size's real relative cost on the curve: the median of its last this many passes ...
 MIN_PASSES = 5  # ... once it has at least this many
-STALE_STEPS = 128  # a size no step ran in this many steps goes back to its calibrated time
+RECENT_LEVELS = 9  # the machine's speed now: implied by this many newest passes of any size
+MIN_REFERENCE = 3  # a tree pass tells its size's relative cost against at least this many one-token passes ...
+REFERENCE_STEPS = 32  # ... taken within this many steps of it (the machine's speed moves from minute to minute)
+STALE_STEPS = 128  # a size no step ran in this many steps goes back to its calibrated relative cost
 
 
 @dataclass
@@ -95,6 +99,9 @@ class CostModel:
     labels: dict[str, str] = field(default_factory=dict)  # source name -> the store's label (the key on disk)
     kind: str = ""  # what is being decoded: "chat", "text" ("" = not told); acceptance is kept per kind
     _calibrated: np.ndarray = field(init=False, repr=False)  # the curve as calibrated
+    _shape: np.ndarray = field(init=False, repr=False)  # per grid size, its cost in one-token passes (as refreshed)
+    _recent: deque = field(init=False, repr=False)  # (q, ms) of the newest real passes: the machine's speed now
+    _ones: deque = field(init=False, repr=False)  # (step, ms) of the newest one-token passes: the reference
     _passes: dict = field(default_factory=dict, repr=False)  # grid index -> its _Passes, while steps run it
     _steps: int = field(default=0, init=False, repr=False)  # steps observed
     # per draft source, in the request being decoded: (accepted, expected by the cells) of its tested nodes
@@ -103,6 +110,9 @@ class CostModel:
     def __post_init__(self) -> None:
         self.times_ms = np.array(self.times_ms, dtype=float)
         self._calibrated = self.times_ms.copy()
+        self._shape = self._calibrated / self._calibrated[0] if self._calibrated.size else self._calibrated.copy()
+        self._recent = deque(maxlen=RECENT_LEVELS)
+        self._ones = deque(maxlen=REFERENCE_STEPS)
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -259,42 +269,71 @@ class CostModel:
         self._refresh_curve(q, forward_ms)
 
     def _refresh_curve(self, q: int, forward_ms: float) -> None:
-        """Refresh the curve with a real step's timing (median of the last few per grid size).
+        """Refresh the curve with a real step's timing, as a level times a shape.
 
-        A pass over q tokens between two grid sizes informs both: scaled by the curve's own shape, it says
-        what each of them costs now.  (Most budgets the choice makes -- 8, 10, 12, 16 drafts -- give passes
-        of 9, 11, 13, 17 tokens, off the grid: refreshing only at grid sizes left the calibration's cost of
-        large trees in place while small ones took their real, higher cost, so large trees looked cheap.)
-        A size's own timings count while it is run: one that no step ran in the last STALE_STEPS steps
-        goes back to its calibrated time, so a burst of load that made large trees look dear (and kept
-        the budget too small to run them again) does not stay on the curve for the life of the process."""
+        The budget choice reads only the curve's shape -- what a pass over q tokens costs in one-token
+        passes -- while a shared machine's speed (the level) moves from minute to minute.  Timings of
+        different sizes taken minutes apart cannot be compared as they are: kept as absolute times, a size
+        timed in a slow minute looked dear next to one timed in a fast minute, and a size no step ran kept
+        the calibration's time while the others took the machine's speed of the moment, so that when the
+        machine slowed down big trees looked nearly free (a 32-token pass at 1.15x a one-token pass, against
+        2.0x measured in the same minute).  So:
+
+        * the level is the one-token time the newest RECENT_LEVELS passes of any size imply through the
+          shape (their median): every size follows the machine's speed, run or not;
+        * a tree pass tells its size's cost in one-token passes against the one-token passes of the last
+          REFERENCE_STEPS steps (their median; at least MIN_REFERENCE of them, else it tells nothing: read
+          against other tree sizes, whose own costs are estimates, the shape drifted away from one-token
+          passes where they are rare, as on code prompts); a size's relative cost is the median of its last
+          RECENT_PASSES such readings, once it has MIN_PASSES.  A pass over q tokens between two grid sizes
+          informs both, scaled by the shape (most budgets give passes of 9, 11, 13, 17 tokens, off the grid);
+        * fewer tokens never cost more: a size's reading caps every smaller size and floors every larger
+          one, the newest readings winning where two disagree;
+        * a size no step ran in the last STALE_STEPS steps goes back to its calibrated relative cost, so a
+          burst of load that made large trees look dear (and kept the budget too small to run them again)
+          does not stay on the curve for the life of the process."""
         self._steps += 1
         grid = self.grid
         changed = False
+        if q == 1:
+            self._ones.append((self._steps, forward_ms))
+        elif grid[0] < q <= grid[-1]:
+            reference = [ms for step, ms in self._ones if step > self._steps - REFERENCE_STEPS]
+            if len(reference) >= MIN_REFERENCE:
+                relative = forward_ms / statistics.median(reference)  # this pass in one-token passes of the moment
+                shape_q = float(np.interp(q, grid, self._shape))
+                j = bisect.bisect_right(grid, q) - 1  # grid[j] <= q
+                for i in ([j] if grid[j] == q else [j, j + 1]):
+                    passes = self._passes.setdefault(i, _Passes())
+                    changed = passes.add(relative * float(self._shape[i]) / shape_q, self._steps) or changed
         if grid[0] <= q <= grid[-1]:
-            j = bisect.bisect_right(grid, q) - 1  # grid[j] <= q
-            predicted = self.forward_ms(q)
-            for i in ([j] if grid[j] == q else [j, j + 1]):
-                implied = forward_ms * float(self.times_ms[i]) / predicted if predicted > 0 else forward_ms
-                passes = self._passes.setdefault(i, _Passes())
-                changed = passes.add(implied, self._steps) or changed
+            self._recent.append((q, forward_ms))
         stale = [i for i, passes in self._passes.items() if passes.at <= self._steps - STALE_STEPS]
         for i in stale:
             changed = self._passes.pop(i).median is not None or changed
         if changed:
-            self._rebuild_curve()
+            self._rebuild_shape()
+        self._rebuild_curve()
+
+    def _rebuild_shape(self) -> None:
+        """The calibrated shape with every size that has enough recent readings at their median, applied oldest
+        first: a size's reading caps every smaller size and floors every larger one (the newest win)."""
+        shape = self._calibrated / self._calibrated[0]
+        values = shape.tolist()
+        for _, i, r in sorted((p.at, i, p.median) for i, p in self._passes.items() if p.median is not None):
+            values[i] = r
+            values[:i] = [min(x, r) for x in values[:i]]
+            values[i + 1:] = [max(x, r) for x in values[i + 1:]]
+        self._shape = np.array(values)
 
     def _rebuild_curve(self) -> None:
-        """The calibrated curve with every size that has enough recent passes at their median, applied oldest
-        first: fewer tokens never cost more, so a real pass over q tokens caps every smaller size (a
-        calibration spoiled by a burst of load at q = 1 cannot keep the budget at its largest) and floors
-        every larger one; the newest passes win where two sizes disagree."""
-        times = self._calibrated.tolist()
-        for _, i, t in sorted((p.at, i, p.median) for i, p in self._passes.items() if p.median is not None):
-            times[i] = t
-            times[:i] = [min(x, t) for x in times[:i]]
-            times[i + 1:] = [max(x, t) for x in times[i + 1:]]
-        self.times_ms = np.array(times)
+        """times_ms: the shape at the machine's level now, the one-token time the newest passes imply through
+        it (the calibration's until a real pass was timed)."""
+        level = float(self._calibrated[0])
+        if self._recent:
+            sizes, ms = (np.array(v, dtype=float) for v in zip(*self._recent))
+            level = float(np.median(ms / np.interp(sizes, self.grid, self._shape)))
+        self.times_ms = level * self._shape
 
     def save_stats(self) -> None:
         """Keep the acceptance counts for the next run, per store (they depend on model and store, not on
@@ -334,15 +373,15 @@ class CostModel:
 
 @dataclass
 class _Passes:
-    """One grid size's last real passes (the times they imply for it), the step of the newest, and their
-    median once there are MIN_PASSES of them."""
+    """One grid size's last real passes (the cost in one-token passes each implies for it), the step of the
+    newest, and their median once there are MIN_PASSES of them."""
     times: deque = field(default_factory=lambda: deque(maxlen=RECENT_PASSES))
     at: int = 0
     median: Optional[float] = None
 
-    def add(self, implied_ms: float, step: int) -> bool:
-        """Keep one more pass; True when the median (the size's time on the curve) was set."""
-        self.times.append(implied_ms)
+    def add(self, relative: float, step: int) -> bool:
+        """Keep one more pass; True when the median (the size's relative cost on the curve) was set."""
+        self.times.append(relative)
         self.at = step
         if len(self.times) < MIN_PASSES:
             return False

@@ -207,53 +207,76 @@ def test_the_calibration_is_kept_per_machine(tiny_lm, monkeypatch):
 
 def test_a_real_pass_caps_every_smaller_size_so_a_spoiled_calibration_recovers():
     """A burst of load during the one-token passes made every tree look free (a flat curve); real timings of
-    big trees bring the small sizes down with them, and the budget falls back from its largest."""
+    big trees beside one-token steps restore the shape, and the budget falls back from its largest."""
     rows = np.array([[11, 12, 13, 14, 15, 16, 17, 18]] * 2 + [[21, 22, 23, 24, 25, 26, 27, 28]] * 8
                     + [[31 + i, 40, 41, 42, 43, 44, 45, 46] for i in range(10)])
     tree = build_draft_tree(1, [OracleLookup("static", 4, 20, rows)], budget=63)
+    plain = build_draft_tree(1, [], budget=0)
     model = CostModel(times_ms=np.full(len(GRID), 342.0))
     q = len(tree)
     assert q in GRID and model.choose(tree) == tree.draft_size  # spoiled: everything costs the same
     for _ in range(5):
         model.observe(tree, [0], forward_ms=120.0)  # the real cost of that big pass, nothing accepted
+    assert model.choose(tree) == tree.draft_size  # one size alone: a slower pass or a slower machine?
+    for _ in range(cost.MIN_REFERENCE + cost.MIN_PASSES):  # one-token steps between them tell the two apart
+        model.observe(plain, [0], forward_ms=40.0)
+        model.observe(tree, [0], forward_ms=120.0)
     i = GRID.index(q)
-    assert model.times_ms[i] == 120.0 and np.all(model.times_ms[:i] <= 120.0)
-    assert np.all(model.times_ms[i + 1:] == 342.0)  # larger sizes are not bounded by a smaller one
-    for _ in range(5):  # one-token steps then cost what they really cost
-        model.observe(build_draft_tree(1, [], budget=0), [0], forward_ms=40.0)
-    assert model.forward_ms(1) == 40.0 and model.choose(tree) < tree.draft_size
+    assert model.times_ms[i] == pytest.approx(120.0) and np.all(model.times_ms[:i] <= model.times_ms[i])
+    assert model.forward_ms(1) == pytest.approx(40.0) and model.choose(tree) < tree.draft_size
 
 
 def test_a_burst_of_load_on_big_trees_does_not_stay_on_the_curve():
-    """Five slow passes of a big tree (the machine was busy) make every size from it up look dear, so the
-    budget drops to trees too small to run it again. Once the big size runs at its real cost again, the
-    larger sizes no step ran fall back with it; and a size no step runs any more returns to its calibrated
-    time after STALE_STEPS steps, so the budget can grow again and measure it anew."""
+    """Big passes slowed while one-token steps kept their speed (a burst of load that hit the big trees): every
+    size from them up looks dear, so the budget drops. Once the big size runs at its real cost again, the
+    budget comes back; and a size no step runs any more returns to its calibrated cost after STALE_STEPS
+    steps, so the budget can grow again and measure it anew."""
     model = CostModel(times_ms=curve(50.0, 1.0))
     calibrated = model.times_ms.copy()
     big = chain_tree()  # 8 drafts: a pass over 9 tokens, between grid sizes 8 and 12
     small = build_draft_tree(1, [OracleLookup("static", 4, 10, np.array([[11, 12]] * 10))], budget=63)
-    for _ in range(30):  # learned: the chain is always accepted whole
-        model.observe(big, list(range(9)), forward_ms=model.forward_ms(len(big)))
-    assert model.choose(big) == 8
-    for _ in range(cost.MIN_PASSES):
-        model.observe(big, list(range(9)), forward_ms=400.0)  # a burst of load
-    assert model.forward_ms(64) >= 400.0 and model.choose(big) < 8  # dear from 8 tokens up
-    for _ in range(cost.MIN_PASSES):
-        model.observe(big, list(range(9)), forward_ms=58.0)  # the big tree at its real cost again
-    assert model.choose(big) == 8
-    assert np.allclose(model.times_ms[GRID.index(16):], calibrated[GRID.index(16):])  # never run: calibrated
+    plain = build_draft_tree(1, [], budget=0)
 
-    for _ in range(cost.MIN_PASSES):
-        model.observe(big, list(range(9)), forward_ms=400.0)  # another burst; then only small trees run
+    def big_and_plain(big_ms: float, rounds: int) -> None:  # one-token steps between the big ones
+        for _ in range(rounds):
+            model.observe(plain, [0], forward_ms=50.0)
+            model.observe(big, list(range(9)), forward_ms=big_ms)
+
+    big_and_plain(58.0, 30)  # learned: the chain is always accepted whole, at the curve's cost
+    assert model.choose(big) == 8
+    big_and_plain(400.0, cost.MIN_PASSES)  # a burst of load on the big passes
+    assert model.relative_cost(64) >= 7.0 and model.choose(big) < 8  # dear from 8 tokens up
+    big_and_plain(58.0, cost.MIN_PASSES)  # the big tree at its real cost again
+    assert model.choose(big) == 8
+    assert np.allclose(model.times_ms[GRID.index(16):], calibrated[GRID.index(16):], rtol=0.02)  # never run
+
+    big_and_plain(400.0, cost.MIN_PASSES)  # another burst; then only small trees run
     assert model.choose(big) < 8
     steps = 0
     while model.choose(big) < 8 and steps <= cost.STALE_STEPS:
         model.observe(small, [0, 1], forward_ms=51.0)
         steps += 1
     assert steps == cost.STALE_STEPS  # the burst's sizes went stale STALE_STEPS steps after their last pass
-    assert np.allclose(model.times_ms[GRID.index(8):], calibrated[GRID.index(8):])
-    assert model.forward_ms(3) == 51.0  # what does run keeps its measured time
+    shape = model.times_ms / model.times_ms[0]
+    assert np.allclose(shape[GRID.index(8):], (calibrated / calibrated[0])[GRID.index(8):], rtol=0.02)
+    assert model.forward_ms(3) == pytest.approx(51.0)  # what does run keeps its measured time
+
+
+def test_a_machine_that_slows_down_slows_every_size_with_it():
+    """The machine runs at half its calibrated speed for a while (another program on the same cores). Only
+    one-token passes and 9-token trees run; a 32-token tree, never run, must not look cheap next to them:
+    it slows down with the machine, so its cost relative to a one-token pass stays the calibrated one."""
+    model = CostModel(times_ms=np.array([20.0 + 0.5 * (q - 1) for q in GRID]))
+    cal_32 = model.relative_cost(32)
+    big = chain_tree()  # 9 tokens: 24 ms calibrated
+    plain = build_draft_tree(1, [], budget=0)
+    for _ in range(20):
+        model.observe(plain, [0], forward_ms=40.0)
+        model.observe(big, [0], forward_ms=48.0)
+    assert model.forward_ms(1) == pytest.approx(40.0)
+    assert model.relative_cost(9) == pytest.approx(1.2, rel=0.02)
+    assert model.relative_cost(32) == pytest.approx(cal_32, rel=0.05)  # calibrated 1.78x, not 35.5 / 40 ms
+    assert np.all(np.diff(model.times_ms) >= 0)
 
 
 def test_the_curve_is_measured_in_interleaved_rounds_keeping_each_sizes_fastest_pass(tiny_lm, monkeypatch):
@@ -316,24 +339,28 @@ def test_real_passes_off_the_grid_refresh_the_sizes_around_them():
     """Budgets of 8, 10, 12 drafts make passes of 9, 11, 13 tokens, which are not grid sizes: their real cost
     still reaches the curve (both neighbouring sizes, scaled by the curve's shape), so a calibration that
     made large trees look cheap is corrected by the steps that run them."""
-    model = CostModel(times_ms=curve(50.0, 1.0))  # q = 9 predicted at 58 ms
+    model = CostModel(times_ms=curve(50.0, 1.0))  # q = 9 predicted at 58 ms: 1.16x a one-token pass
     rows = np.array([[11, 12, 13, 14, 15, 16, 17, 18, 19]] * 10)
     tree = build_draft_tree(1, [OracleLookup("static", 4, 10, rows)], budget=8)
+    plain = build_draft_tree(1, [], budget=0)
     q = len(tree)
     assert q == 9 and q not in GRID
-    before = model.forward_ms(q)
+    before = model.relative_cost(q)
     for _ in range(4):
         model.observe(tree, [0], forward_ms=87.0)
-    assert model.forward_ms(q) == before  # a few passes are not enough: the median of at least five
-    model.observe(tree, [0], forward_ms=87.0)
-    assert abs(model.forward_ms(q) - 87.0) < 0.5  # now the curve says what the real passes cost
+    assert model.relative_cost(q) == pytest.approx(before)  # one size alone: slower pass or slower machine?
+    for _ in range(cost.MIN_REFERENCE + cost.MIN_PASSES):  # one-token passes between them tell the two apart
+        model.observe(plain, [0], forward_ms=50.0)
+        model.observe(tree, [0], forward_ms=87.0)
+    assert model.relative_cost(q) == pytest.approx(87.0 / 50.0, rel=0.03)  # what the real passes cost
     lo, hi = GRID.index(8), GRID.index(12)
     assert model.times_ms[lo] > 57.0 + 20 and model.times_ms[hi] > 61.0 + 20
-    assert model.forward_ms(1) == 50.0 and np.all(np.diff(model.times_ms) >= 0)
+    assert model.forward_ms(1) == pytest.approx(50.0) and np.all(np.diff(model.times_ms) >= 0)
+    last = model.times_ms[-1]
     for _ in range(5):  # passes beyond the grid change nothing
         model.observe(build_draft_tree(1, [OracleLookup("static", 4, 10, np.arange(80)[None] + 100)], budget=80),
                       [0], forward_ms=1000.0)
-    assert model.times_ms[-1] == 50.0 + 63.0
+    assert model.times_ms[-1] == last
 
 
 def test_a_request_whose_drafts_keep_missing_drafts_less_until_the_next_request():
