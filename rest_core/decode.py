@@ -17,7 +17,7 @@ learned acceptance statistics is the caller's call.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -151,10 +151,25 @@ def _cut(tokens: list[int], room: int, eos: set[int], stop_at_eos: bool) -> tupl
     return tokens, None
 
 
-@torch.inference_mode()
 def plain_generate(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig = DecodeConfig(),
                    on_token: Optional[Callable[[int], None]] = None) -> DecodeResult:
     """Plain autoregressive decoding: one forward pass per token, same sampling as REST."""
+    steps = plain_steps(lm, prompt, cfg)
+    while True:
+        try:
+            token = next(steps)
+        except StopIteration as done:
+            return done.value
+        if on_token is not None:
+            on_token(token)
+
+
+@torch.inference_mode()
+def plain_steps(lm: LoadedModel, prompt: Sequence[int],
+                cfg: DecodeConfig = DecodeConfig()) -> Generator[int, None, DecodeResult]:
+    """Plain decoding one pass at a time: yields every new token (the first after the prefill); the
+    generator's return value is the DecodeResult (its wall time runs from the first step to the last,
+    whatever ran between two of them)."""
     cfg.validate()
     room = check_prompt(lm, prompt, cfg)
     gen = cfg.sampling.generator(lm.device)
@@ -171,8 +186,7 @@ def plain_generate(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig = D
         else:
             last = draw_token(next_token_probs(logits, cfg.sampling), gen)
         out.append(last)
-        if on_token is not None:
-            on_token(last)
+        yield last
         if cfg.stop_at_eos and last in eos:
             reason = "eos"
             break

@@ -105,7 +105,7 @@ def test_greedy_race_reports_identical_outputs_and_records_the_comparison(engine
     final = views[-1]
     assert final.done and final.run_id is not None, final.notice
     assert "Greedy outputs are identical" in final.metrics
-    assert "×" in final.metrics and "one after the other" in final.metrics
+    assert "×" in final.metrics and "in turn" in final.metrics
     run = engine.recorder.get_run(final.run_id)
     assert run["identical"] == 1 and run["speedup"] > 0 and run["plain_wall_s"] > 0
     # why this speed: tokens per pass ÷ cost per pass gives back the measured speedup (same tokens both sides)
@@ -374,17 +374,48 @@ def test_race_closes_its_streams(engine, session, monkeypatch):
     real = live.stream_in_thread
     monkeypatch.setattr(live, "stream_in_thread", lambda *a, **k: opened.append(Spy(real(*a, **k))) or opened[-1])
     assert list(sup.race(engine, session, TINY, PROMPT))[-1].done
-    assert len(opened) == 2 and all(s.closed for s in opened), "both decodes' streams are closed when done"
+    assert len(opened) == 1 and opened[0].closed, "the race's stream is closed when done"
     opened.clear()
     stopped = sup.race(engine, session, replace(TINY, max_new_tokens=200), PROMPT)
     for _ in stopped:
         if opened:
             break
-    stopped.close()  # the visitor pressed Stop during the plain decode
+    stopped.close()  # the visitor pressed Stop during the race
     assert len(opened) == 1 and opened[0].closed
     slot = engine.model(TINY.model)
     assert slot.lock.acquire(timeout=30), "the model is free again"
     slot.lock.release()
+
+
+def test_the_race_runs_both_decodes_in_turn_and_times_each_by_its_own_steps():
+    """in_turn: the side behind in the answer steps next (REST first on a tie), so the two go through the
+    answer side by side; each side's time is what its own steps took, not the wall time both shared."""
+    from rest_core.app.decoding import in_turn
+    from rest_core.decode import DecodeResult
+
+    order = []
+
+    def side(name, chunks, step_s):
+        for chunk in chunks:
+            time.sleep(step_s)
+            order.append(name)
+            yield chunk
+        return DecodeResult([1], [], "", steps=len(chunks), wall_s=99.0, prefill_s=0.0, stop_reason="length")
+
+    class Step:  # what REST's stream yields: a trace with the step's new tokens
+        def __init__(self, tokens):
+            self.new_tokens = tokens
+
+    emitted = []
+    t0 = time.perf_counter()
+    plain, rest, traces = in_turn(side("plain", [7] * 6, 0.01), side("rest", [Step([7, 7, 7]), Step([7, 7, 7])], 0.03),
+                                  emitted.append)
+    shared = time.perf_counter() - t0
+    assert order == ["rest", "plain", "plain", "plain", "rest", "plain", "plain", "plain"]
+    assert [s for s, _ in emitted] == order and sum(len(t) for s, t in emitted if s == "rest") == 6
+    assert len(traces) == 2 and plain.steps == 6 and rest.steps == 2
+    assert plain.wall_s >= 0.06 and rest.wall_s >= 0.06  # each side's steps ...
+    assert plain.wall_s + rest.wall_s <= shared  # ... and only its own: together they fill the time both shared
 
 
 def test_importing_the_app_touches_no_cache(tmp_path):
@@ -681,3 +712,17 @@ def test_the_first_answer_after_start_waits_for_the_general_text_store_being_ope
                    answers=sup.ANSWERS_ALWAYS)
     first = run_turn(engine, session, only, PROMPT)[-1]  # asked for before the store finished opening
     assert engine.recorder.get_run(first.run_id)["stores"] == ["answers:answers-tiny"]
+
+
+def test_a_decode_explains_its_speed_with_its_own_cost_model():
+    """The 'why this speed' panel reads the cost curve of the cost model that chose this decode's budgets (its
+    level follows the machine's speed of the decode's own steps); with a fixed budget, the model's calibration."""
+    from rest_core.app.decoding import Prepared
+    from rest_core.cost import GRID, CostModel
+
+    chooser = CostModel(times_ms=[50.0 + q for q in GRID])
+    calibrated = SimpleNamespace(forward_curve=lambda: (lambda q: 1.0))
+    chosen = Prepared(calibrated, None, [1], SimpleNamespace(budget_chooser=chooser), "")
+    assert chosen.forward_curve()(1) == chooser.forward_ms(1) == 51.0
+    fixed = Prepared(calibrated, None, [1], SimpleNamespace(budget_chooser=None), "")
+    assert fixed.forward_curve()(1) == 1.0

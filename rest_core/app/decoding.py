@@ -1,7 +1,7 @@
 """A decode as the page runs it: its stores put together, its run recorded step by step.
 
 `prepare` turns the page's settings and prompt into a model, a prompt and a decoder;
-`rest_work` and `plain_work` are what a worker thread runs (see streaming), holding
+`rest_work` (a chat turn) and `race_work` (a race) are what a worker thread runs (see streaming), holding
 the model's lock; after a REST decode the app saves what it owns (the cost model's
 acceptance counts; a visitor's history and table of the model's own predictions stay in
 memory, in their session, and are never saved).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Optional, TypeVar
 
 from datastores import assemble_stores, store_labels
 from rest_core.app.engine import Engine, ModelSlot
@@ -19,7 +19,7 @@ from rest_core.app.recording import Recording, start_recording
 from rest_core.app.session import Session, open_upload_store
 from rest_core.app.settings import NO_STATIC, STORE_WAIT_S, UPLOADED, Cancelled, Settings, message_of
 from rest_core.app.streaming import Emit
-from rest_core.decode import DecodeConfig, DecodeResult, PromptError, RestDecoder, plain_generate
+from rest_core.decode import DecodeConfig, DecodeResult, PromptError, RestDecoder, plain_generate, plain_steps
 from rest_core.model import encode_prompt
 from rest_core.trace import StepTrace
 
@@ -36,6 +36,12 @@ class Prepared:
     prompt_ids: list[int]
     decoder: RestDecoder
     notice: str  # a notice for the page ("" when none)
+
+    def forward_curve(self) -> Optional[Callable[[int], float]]:
+        """The forward-pass time of q tokens as this decode's cost model holds it (at the machine's speed of
+        its latest steps), else as calibrated for the model (a fixed budget: no cost model decides)."""
+        chooser = self.decoder.budget_chooser
+        return getattr(chooser, "forward_ms", None) or self.slot.forward_curve()
 
 
 def prompt_ids_of(slot: ModelSlot, settings: Settings, message: str, history: list[dict]) -> list[int]:
@@ -121,38 +127,27 @@ def start_run(engine: Engine, prep: Prepared, settings: Settings, session: Sessi
     return recording
 
 
-def _decode(prep: Prepared, hook: Callable[[StepTrace], None], emit: Emit, defer_recording: bool) -> DecodeResult:
-    """Decode, recording every step with `hook` (after the decode when `defer_recording`: the race
-    times REST alone) and telling the page about each step."""
+def _decode(prep: Prepared, hook: Callable[[StepTrace], None], emit: Emit) -> DecodeResult:
+    """Decode, recording every step with `hook` and telling the page about each step."""
     emit(("started", time.perf_counter()))
     steps = prep.decoder.stream(prep.prompt_ids, prep.cfg)
-    deferred: list[StepTrace] = []
     while True:
         try:
             trace = next(steps)
         except StopIteration as finished:
-            result: DecodeResult = finished.value
-            break
-        if defer_recording:
-            deferred.append(trace)
-            emit(("tokens", trace.new_tokens))
-        else:
-            hook(trace)
-            emit(("step", trace.step))
-            emit(("tokens", trace.new_tokens))
-    for trace in deferred:
+            return finished.value
         hook(trace)
-    return result
+        emit(("step", trace.step))
+        emit(("tokens", trace.new_tokens))
 
 
-def rest_work(engine: Engine, prep: Prepared, recording: Recording,
-              defer_recording: bool = False) -> Callable[[Emit], Any]:
+def rest_work(engine: Engine, prep: Prepared, recording: Recording) -> Callable[[Emit], Any]:
     """The worker side of a REST decode: record every step, tell the page, finish the run, save the
     cost model's counts."""
     def work(emit: Emit) -> DecodeResult:
         with prep.slot.lock:
             try:
-                result = _decode(prep, recording.hook, emit, defer_recording)
+                result = _decode(prep, recording.hook, emit)
             except BaseException as err:
                 stopped = isinstance(err, Cancelled)
                 recording.finish(status="stopped" if stopped else "failed",
@@ -166,11 +161,63 @@ def rest_work(engine: Engine, prep: Prepared, recording: Recording,
     return work
 
 
-def plain_work(prep: Prepared) -> Callable[[Emit], Any]:
-    """The worker side of a plain decode: one untimed warm-up pass, then the timed decode."""
-    def work(emit: Emit) -> DecodeResult:
+def race_work(prep: Prepared, recording: Recording) -> Callable[[Emit], tuple[DecodeResult, DecodeResult]]:
+    """The worker side of a race: the plain decode and REST's, in turn (`in_turn`), after one untimed warm-up
+    pass; REST's steps are recorded after both clocks stopped, then the run is finished and the cost model's
+    counts saved.  Returns (plain, REST)."""
+    def work(emit: Emit) -> tuple[DecodeResult, DecodeResult]:
         with prep.slot.lock:
-            plain_generate(prep.slot.lm, prep.prompt_ids, DecodeConfig(max_new_tokens=1))  # warm-up, not timed
-            emit(("started", time.perf_counter()))
-            return plain_generate(prep.slot.lm, prep.prompt_ids, prep.cfg, on_token=lambda t: emit(("tokens", [t])))
+            lm = prep.slot.lm
+            try:
+                plain_generate(lm, prep.prompt_ids, DecodeConfig(max_new_tokens=1))  # warm-up, not timed
+                emit(("started", time.perf_counter()))
+                plain, rest, traces = in_turn(plain_steps(lm, prep.prompt_ids, prep.cfg),
+                                              prep.decoder.stream(prep.prompt_ids, prep.cfg), emit)
+            except BaseException as err:
+                stopped = isinstance(err, Cancelled)
+                recording.finish(status="stopped" if stopped else "failed",
+                                 error="stopped by the visitor" if stopped else message_of(err))
+                raise
+            for trace in traces:
+                recording.hook(trace)
+            recording.finish(output=rest.text, new_tokens=rest.new_tokens, steps=rest.steps, wall_s=rest.wall_s,
+                             mean_accepted=rest.mean_accepted, status="done")
+            if prep.decoder.budget_chooser is not None:
+                prep.decoder.budget_chooser.save_stats()
+            return plain, rest
     return work
+
+
+def in_turn(plain: Generator[int, None, DecodeResult], rest: Generator[StepTrace, None, DecodeResult],
+            emit: Emit) -> tuple[DecodeResult, DecodeResult, list[StepTrace]]:
+    """Run two decodes in turn: the one behind in the answer takes the next step (REST first on a tie), so
+    both go through the answer at the same pace and a busy moment of the machine slows both alike.  Each
+    side's time is the sum of its own steps (its prefill is in its first), not the wall time both shared.
+    Emits ("plain", [token]) and ("rest", tokens) as they come; returns both results and REST's traces."""
+    sides = {"rest": rest, "plain": plain}
+    own = dict.fromkeys(sides, 0.0)
+    made = dict.fromkeys(sides, 0)
+    results: dict[str, DecodeResult] = {}
+    traces: list[StepTrace] = []
+    try:
+        while len(results) < len(sides):
+            side = min((s for s in sides if s not in results), key=lambda s: made[s])
+            t0 = time.perf_counter()
+            try:
+                item = next(sides[side])
+            except StopIteration as done:
+                own[side] += time.perf_counter() - t0
+                results[side] = done.value
+                continue
+            own[side] += time.perf_counter() - t0
+            tokens = [item] if side == "plain" else item.new_tokens
+            if side == "rest":
+                traces.append(item)
+            made[side] += len(tokens)
+            emit((side, tokens))
+    finally:
+        for gen in sides.values():
+            gen.close()
+    for side, result in results.items():
+        result.wall_s = own[side]
+    return results["plain"], results["rest"], traces

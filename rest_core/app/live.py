@@ -15,7 +15,7 @@ from typing import Any, Optional, TypeVar
 
 import plotly.graph_objects as go
 
-from rest_core.app.decoding import EMPTY_PROMPT, Prepared, plain_work, prepare, rest_work, start_run
+from rest_core.app.decoding import EMPTY_PROMPT, Prepared, prepare, race_work, rest_work, start_run
 from rest_core.app.engine import Engine
 from rest_core.app.markup import plain_answer_html, user_bubble
 from rest_core.app.panels import (
@@ -73,7 +73,7 @@ class LiveAnswer:
         self.steps = StepRows(engine.recorder, self.run_id) if self.run_id is not None else None
         self.plain_ms = prep.slot.plain_ms()
         self.tokenizer = prep.slot.lm.tokenizer
-        self.curve = prep.slot.forward_curve()
+        self.curve = prep.forward_curve()
         self.hide = special_texts(self.tokenizer)
         self.text = Throttle(TEXT_INTERVAL_S)
         self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
@@ -227,18 +227,20 @@ def _chat_turn(engine: Engine, session: Session, settings: Settings, message: st
 
 # ---------------------------------------------------------------- a race
 
-class RaceText:
-    """One side of the race as plain text: its tokens so far, redrawn with the shared throttle."""
+class RaceTexts:
+    """Both sides of the race as they come, redrawn together with a throttle."""
 
-    def __init__(self, tokenizer: Any, throttle: Throttle, side: str):
-        self.tokenizer, self.throttle, self.side = tokenizer, throttle, side
-        self.ids: list[int] = []
+    def __init__(self, tokenizer: Any, throttle: Throttle):
+        self.tokenizer, self.throttle = tokenizer, throttle
+        self.ids: dict[str, list[int]] = {"plain": [], "rest": []}
 
     def views(self, batch: list) -> Iterator[View]:
-        self.ids += [t for kind, value in batch if kind == "tokens" for t in value]
+        for kind, value in batch:
+            if kind in self.ids:
+                self.ids[kind] += value
         if batch and self.throttle.ready():
-            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-            yield View(plain=text) if self.side == "plain" else View(rest=plain_answer_html(text))
+            plain, rest = (self.tokenizer.decode(self.ids[s], skip_special_tokens=True) for s in ("plain", "rest"))
+            yield View(plain=plain, rest=plain_answer_html(rest))
 
 
 def _say_in_race(text: str) -> View:
@@ -246,8 +248,8 @@ def _say_in_race(text: str) -> View:
 
 
 def race(engine: Engine, session: Session, settings: Settings, message: str) -> Iterator[View]:
-    """The same prompt decoded plainly, then with REST, each measured alone; speedup and exactness check.
-    Both decodes take one turn in the line of decodes."""
+    """The same prompt decoded plainly and with REST, in turn (each side timed by its own steps); speedup and
+    exactness check.  Both decodes take one turn in the line of decodes."""
     ticket = None
     try:
         settings, message = checked(engine, settings, message)
@@ -268,14 +270,10 @@ def _race(engine: Engine, session: Session, settings: Settings, message: str) ->
         text = message_of(err)
         yield View(notice=text, warning=text, plain="", rest="", done=True)
         return
-    yield View(plain="warming up…", rest="waiting for the plain decode to finish…", notice=prep.notice,
-               warning=prep.notice or None, metrics="")
-    throttle, tok = Throttle(TEXT_INTERVAL_S), prep.slot.lm.tokenizer
-    plain = yield from drain(stream_in_thread(engine, plain_work(prep)), RaceText(tok, throttle, "plain").views)
-    yield View(plain=plain.text, rest="REST decoding…")
+    yield View(plain="warming up…", rest="warming up…", notice=prep.notice, warning=prep.notice or None, metrics="")
     recording = start_run(engine, prep, settings, session, message)
-    rest = yield from drain(stream_in_thread(engine, rest_work(engine, prep, recording, defer_recording=True)),
-                            RaceText(tok, throttle, "rest").views)
+    plain, rest = yield from drain(stream_in_thread(engine, race_work(prep, recording)),
+                                   RaceTexts(prep.slot.lm.tokenizer, Throttle(TEXT_INTERVAL_S)).views)
     yield race_result(engine, prep, settings, plain, rest, recording)
 
 
@@ -290,7 +288,7 @@ def race_result(engine: Engine, prep: Prepared, settings: Settings, plain: Decod
         "identical": same if comparable else None})
     view = View(metrics=race_verdict(prep, settings, plain, rest, speedup, same), run_id=recording.run_id,
                 done=True, notice=recording.stopped or "", warning=recording.stopped or None,
-                rest=plain_answer_html(rest.text))
+                plain=plain.text, rest=plain_answer_html(rest.text))
     if recording.run_id is None:
         return view
     try:
@@ -300,7 +298,7 @@ def race_result(engine: Engine, prep: Prepared, settings: Settings, plain: Decod
             view.rest = figures.origin_spans(steps, special_texts(prep.slot.lm.tokenizer))
         view.speed = compact(figures.speed_figure(steps, rec.get_run(recording.run_id)), 440, bottom=110)
         view.metrics += why_speed_html(steps, 1e3 * plain.wall_s / max(1, plain.new_tokens),
-                                       1e3 * rest.wall_s / max(1, rest.steps), prep.slot.forward_curve(),
+                                       1e3 * rest.wall_s / max(1, rest.steps), prep.forward_curve(),
                                        "measured by the plain decode above, prefill included")
     except STORE_ERRORS:
         pass
@@ -327,9 +325,11 @@ def race_verdict(prep: Prepared, settings: Settings, plain: DecodeResult, rest: 
             f"({plain.tokens_per_s:.1f} tokens/s, {plain.steps} forward passes) · REST: {rest.new_tokens} tokens in "
             f"{rest.wall_s:.2f} s ({rest.tokens_per_s:.1f} tokens/s, {rest.steps} forward passes, "
             f"{rest.mean_accepted:.2f} tokens per pass)</div><div>{check}</div>"
-            '<div class="metric-note">Measured one after the other on the same machine, each alone (after one '
-            "untimed warm-up pass), prefill included. REST's time includes building each step's trace; the "
-            "steps are written to the trace store after its clock stops.</div></div>")
+            '<div class="metric-note">Measured in turn on the same machine: the two decodes take steps by turns, '
+            "the one behind in the answer going next, so a busy moment of the machine slows both alike; each "
+            "side's time is the sum of its own steps, prefill included (after one untimed warm-up pass). REST's "
+            "time includes building each step's trace; the steps are written to the trace store after both clocks "
+            "stop.</div></div>")
 
 
 def _difference(prep: Prepared, plain: DecodeResult, rest: DecodeResult) -> str:

@@ -172,7 +172,8 @@ def build_chat_tab(page: Page) -> None:
 def build_race_tab(page: Page) -> None:
     with gr.Tab("Race", id="race"):
         gr.Markdown("The same prompt, decoded **plainly** (one forward pass per token) and **with REST**, with the "
-                    "settings on the left. On one machine they run **one after the other**, each timed alone; the "
+                    "settings on the left. On one machine they run **in turn**, step by step, the one behind in the "
+                    "answer going next, so a busy moment slows both alike; each is timed by its own steps. The "
                     "check compares the two outputs token by token.")
         page.race_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="race-prompt",
                                       value="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
