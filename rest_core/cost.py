@@ -276,7 +276,7 @@ class CostModel:
         different sizes taken minutes apart cannot be compared as they are: kept as absolute times, a size
         timed in a slow minute looked dear next to one timed in a fast minute, and a size no step ran kept
         the calibration's time while the others took the machine's speed of the moment, so that when the
-        machine slowed down big trees looked nearly free (a 32-token pass at 1.15x a one-token pass, against
+        machine slowed down big trees looked nearly free (a 33-token pass at 1.15x a one-token pass, against
         2.0x measured in the same minute).  So:
 
         * the level is the one-token time the newest RECENT_LEVELS passes of any size imply through the
