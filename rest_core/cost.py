@@ -99,6 +99,7 @@ class CostModel:
     labels: dict[str, str] = field(default_factory=dict)  # source name -> the store's label (the key on disk)
     kind: str = ""  # what is being decoded: "chat", "text" ("" = not told); acceptance is kept per kind
     _calibrated: np.ndarray = field(init=False, repr=False)  # the curve as calibrated
+    _calibrated_shape: np.ndarray = field(init=False, repr=False)  # ... per grid size in one-token passes
     _shape: np.ndarray = field(init=False, repr=False)  # per grid size, its cost in one-token passes (as refreshed)
     _recent: deque = field(init=False, repr=False)  # (q, ms) of the newest real passes: the machine's speed now
     _ones: deque = field(init=False, repr=False)  # (step, ms) of the newest one-token passes: the reference
@@ -110,7 +111,8 @@ class CostModel:
     def __post_init__(self) -> None:
         self.times_ms = np.array(self.times_ms, dtype=float)
         self._calibrated = self.times_ms.copy()
-        self._shape = self._calibrated / self._calibrated[0] if self._calibrated.size else self._calibrated.copy()
+        self._calibrated_shape = self._calibrated / self._calibrated[0] if self._calibrated.size else self._calibrated
+        self._shape = self._calibrated_shape.copy()
         self._recent = deque(maxlen=RECENT_LEVELS)
         self._ones = deque(maxlen=REFERENCE_STEPS)
 
@@ -318,8 +320,7 @@ class CostModel:
     def _rebuild_shape(self) -> None:
         """The calibrated shape with every size that has enough recent readings at their median, applied oldest
         first: a size's reading caps every smaller size and floors every larger one (the newest win)."""
-        shape = self._calibrated / self._calibrated[0]
-        values = shape.tolist()
+        values = self._calibrated_shape.tolist()
         for _, i, r in sorted((p.at, i, p.median) for i, p in self._passes.items() if p.median is not None):
             values[i] = r
             values[:i] = [min(x, r) for x in values[:i]]
@@ -375,17 +376,17 @@ class CostModel:
 class _Passes:
     """One grid size's last real passes (the cost in one-token passes each implies for it), the step of the
     newest, and their median once there are MIN_PASSES of them."""
-    times: deque = field(default_factory=lambda: deque(maxlen=RECENT_PASSES))
+    readings: deque = field(default_factory=lambda: deque(maxlen=RECENT_PASSES))
     at: int = 0
     median: Optional[float] = None
 
     def add(self, relative: float, step: int) -> bool:
         """Keep one more pass; True when the median (the size's relative cost on the curve) was set."""
-        self.times.append(relative)
+        self.readings.append(relative)
         self.at = step
-        if len(self.times) < MIN_PASSES:
+        if len(self.readings) < MIN_PASSES:
             return False
-        self.median = statistics.median(self.times)
+        self.median = statistics.median(self.readings)
         return True
 
 

@@ -145,19 +145,7 @@ def rest_work(engine: Engine, prep: Prepared, recording: Recording) -> Callable[
     """The worker side of a REST decode: record every step, tell the page, finish the run, save the
     cost model's counts."""
     def work(emit: Emit) -> DecodeResult:
-        with prep.slot.lock:
-            try:
-                result = _decode(prep, recording.hook, emit)
-            except BaseException as err:
-                stopped = isinstance(err, Cancelled)
-                recording.finish(status="stopped" if stopped else "failed",
-                                 error="stopped by the visitor" if stopped else message_of(err))
-                raise
-            recording.finish(output=result.text, new_tokens=result.new_tokens, steps=result.steps,
-                             wall_s=result.wall_s, mean_accepted=result.mean_accepted, status="done")
-            if prep.decoder.budget_chooser is not None:
-                prep.decoder.budget_chooser.save_stats()
-            return result
+        return _recorded(prep, recording, lambda: _decode(prep, recording.hook, emit))
     return work
 
 
@@ -166,26 +154,39 @@ def race_work(prep: Prepared, recording: Recording) -> Callable[[Emit], tuple[De
     pass; REST's steps are recorded after both clocks stopped, then the run is finished and the cost model's
     counts saved.  Returns (plain, REST)."""
     def work(emit: Emit) -> tuple[DecodeResult, DecodeResult]:
-        with prep.slot.lock:
-            lm = prep.slot.lm
-            try:
-                plain_generate(lm, prep.prompt_ids, DecodeConfig(max_new_tokens=1))  # warm-up, not timed
-                emit(("started", time.perf_counter()))
-                plain, rest, traces = in_turn(plain_steps(lm, prep.prompt_ids, prep.cfg),
-                                              prep.decoder.stream(prep.prompt_ids, prep.cfg), emit)
-            except BaseException as err:
-                stopped = isinstance(err, Cancelled)
-                recording.finish(status="stopped" if stopped else "failed",
-                                 error="stopped by the visitor" if stopped else message_of(err))
-                raise
+        lm, plain = prep.slot.lm, None
+
+        def decode() -> DecodeResult:
+            nonlocal plain
+            plain_generate(lm, prep.prompt_ids, DecodeConfig(max_new_tokens=1))  # warm-up, not timed
+            emit(("started", time.perf_counter()))
+            plain, rest, traces = in_turn(plain_steps(lm, prep.prompt_ids, prep.cfg),
+                                          prep.decoder.stream(prep.prompt_ids, prep.cfg), emit)
             for trace in traces:
                 recording.hook(trace)
-            recording.finish(output=rest.text, new_tokens=rest.new_tokens, steps=rest.steps, wall_s=rest.wall_s,
-                             mean_accepted=rest.mean_accepted, status="done")
-            if prep.decoder.budget_chooser is not None:
-                prep.decoder.budget_chooser.save_stats()
-            return plain, rest
+            return rest
+
+        rest = _recorded(prep, recording, decode)
+        return plain, rest
     return work
+
+
+def _recorded(prep: Prepared, recording: Recording, decode: Callable[[], DecodeResult]) -> DecodeResult:
+    """Run a REST decode holding the model's lock, finish its run (done, stopped by the visitor, or failed with
+    the reason) and save the cost model's counts."""
+    with prep.slot.lock:
+        try:
+            result = decode()
+        except BaseException as err:
+            stopped = isinstance(err, Cancelled)
+            recording.finish(status="stopped" if stopped else "failed",
+                             error="stopped by the visitor" if stopped else message_of(err))
+            raise
+        recording.finish(output=result.text, new_tokens=result.new_tokens, steps=result.steps,
+                         wall_s=result.wall_s, mean_accepted=result.mean_accepted, status="done")
+        if prep.decoder.budget_chooser is not None:
+            prep.decoder.budget_chooser.save_stats()
+        return result
 
 
 def in_turn(plain: Generator[int, None, DecodeResult], rest: Generator[StepTrace, None, DecodeResult],
