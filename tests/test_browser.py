@@ -296,9 +296,19 @@ def test_arrow_keys_walk_the_steps(page):
     page.keyboard.press("ArrowRight")  # a number box keeps its keys: the step stays
     page.wait_for_timeout(500)
     assert current_step(page) == 0
-    for _ in range(3):
+    for _ in range(3):  # quick clicks all count: the slider moves in the page, not after a round trip
         page.click("#step-forward")
     explanation.get_by_text("Step 3.").wait_for()
+    page.click("#step-back")
+    page.click("#step-back")
+    explanation.get_by_text("Step 1.").wait_for()
+    last = len(example_steps()) - 1
+    page.keyboard.press("End")
+    explanation.get_by_text(f"Step {last}.").wait_for()
+    page.click("#step-forward")  # held at the last step
+    page.wait_for_timeout(500)
+    assert current_step(page) == last
+    assert page.locator("#step-slider input[type=number]").input_value() == str(last)
 
 
 def test_what_if_runs_a_step_again_beside_what_happened(page):

@@ -220,14 +220,6 @@ def move_step(page: Page, delta: int, run_id: Any, index: Any, state: Any, reque
         return 0
 
 
-def step_back(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
-    return move_step(page, -1, run_id, index, state, request)
-
-
-def step_forward(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
-    return move_step(page, +1, run_id, index, state, request)
-
-
 def step_first(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
     return move_step(page, -2**40, run_id, index, state, request)
 

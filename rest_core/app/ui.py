@@ -37,8 +37,6 @@ from rest_core.app.page import (
     refresh_runs,
     show_node,
     show_step,
-    step_back,
-    step_forward,
     tick_play,
     tick_status,
     to_steps_tab,
@@ -307,6 +305,14 @@ def wire_page(page: Page) -> None:
     page.race_stop.click(None, None, None, cancels=[race_event])
 
 
+def slider_move_js(delta: int) -> str:
+    """The browser-side step of the step slider by `delta`, held inside the slider's range (a disabled slider,
+    a run of one step, stays where it is)."""
+    return ("(value) => { const range = document.querySelector('#step-slider input[type=range]');"
+            " const top = range && !range.disabled ? Number(range.max) : 0;"
+            f" return Math.max(0, Math.min(Math.round(Number(value) || 0) + ({delta}), top)); }}")
+
+
 def wire_replay(page: Page) -> None:
     """Step through, Run history and the Datastore explorer."""
     step_in = [page.run_pick, page.step_slider, page.session]
@@ -322,8 +328,11 @@ def wire_replay(page: Page) -> None:
                          [page.node_probs], api_name="node", show_progress="hidden")
     page.check_btn.click(bound(on_sampling_check, page), [page.run_pick, page.step_slider, page.node_pick,
                                                           page.session], [page.check_plot], api_name="sampling_check")
-    page.back.click(bound(step_back, page), step_in, [page.step_slider], **private)
-    page.forward.click(bound(step_forward, page), step_in, [page.step_slider], **private)
+    # Back and Forward move the slider in the browser: a click never waits on the server, so quick clicks all
+    # count (a server round trip read the slider before the last click had landed and lost clicks); the slider's
+    # change event then draws the step, the latest one winning.
+    page.back.click(None, [page.step_slider], [page.step_slider], js=slider_move_js(-1), **private)
+    page.forward.click(None, [page.step_slider], [page.step_slider], js=slider_move_js(+1), **private)
     page.play.click(bound(toggle_play, page), [page.playing], [page.playing, page.play_timer, page.play], **private)
     page.play_timer.tick(bound(tick_play, page), step_in, [page.step_slider, page.playing, page.play_timer,
                                                            page.play], show_progress="hidden", **private)
