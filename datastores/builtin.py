@@ -93,7 +93,7 @@ def open_answers(spec: Optional[str], model_name: str, tokenizer: Any, generate:
     except DatastoreError:
         if generate is None:
             raise DatastoreError(f"the general-text store for {model_name} is not built yet; any chat decode builds "
-                                 f"it first (about 10 minutes on 2 CPU cores, once): `python -m rest_core generate "
+                                 f"it first (10-25 minutes on 2 CPU cores, once): `python -m rest_core generate "
                                  f"--chat --prompt Hi`") from None
     with _build_lock(path):
         try:
