@@ -212,22 +212,6 @@ def open_run_steps(page: Page, run_id: Any, tour_at: Any, state: Any, request: g
             page.playing: False, page.play: gr.Button("▶ Play")}
 
 
-def move_step(page: Page, delta: int, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
-    count = step_count(page.engine.recorder, Session.ensure(state, request), run_id)
-    try:
-        return gr.skip() if count is None else max(0, min(whole(index) + delta, count - 1))
-    except ValueError:
-        return 0
-
-
-def step_first(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
-    return move_step(page, -2**40, run_id, index, state, request)
-
-
-def step_last(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> Any:
-    return move_step(page, 2**40, run_id, index, state, request)
-
-
 def toggle_play(page: Page, is_playing: bool) -> dict:
     now = not is_playing
     return {page.playing: now, page.play_timer: gr.Timer(active=now),

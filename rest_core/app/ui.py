@@ -328,11 +328,11 @@ def wire_replay(page: Page) -> None:
                          [page.node_probs], api_name="node", show_progress="hidden")
     page.check_btn.click(bound(on_sampling_check, page), [page.run_pick, page.step_slider, page.node_pick,
                                                           page.session], [page.check_plot], api_name="sampling_check")
-    # Back and Forward move the slider in the browser: a click never waits on the server, so quick clicks all
-    # count (a server round trip read the slider before the last click had landed and lost clicks); the slider's
-    # change event then draws the step, the latest one winning.
-    page.back.click(None, [page.step_slider], [page.step_slider], js=slider_move_js(-1), **private)
-    page.forward.click(None, [page.step_slider], [page.step_slider], js=slider_move_js(+1), **private)
+    # First, Back, Forward and Last move the slider in the browser: a click never waits on the server, so quick
+    # clicks all count (a server round trip read the slider before the last click had landed and lost clicks);
+    # the slider's change event then draws the step, the latest one winning.
+    for button, delta in ((page.first, -2**40), (page.back, -1), (page.forward, +1), (page.last, 2**40)):
+        button.click(None, [page.step_slider], [page.step_slider], js=slider_move_js(delta), **private)
     page.play.click(bound(toggle_play, page), [page.playing], [page.playing, page.play_timer, page.play], **private)
     page.play_timer.tick(bound(tick_play, page), step_in, [page.step_slider, page.playing, page.play_timer,
                                                            page.play], show_progress="hidden", **private)

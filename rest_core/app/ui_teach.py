@@ -8,8 +8,6 @@ from rest_core.app.page import (
     Page,
     bound,
     on_what_if,
-    step_first,
-    step_last,
     tour_back,
     tour_close,
     tour_next,
@@ -77,7 +75,7 @@ def build_tour(page: Page) -> None:
 
 
 def wire_teach(page: Page, decode_handlers: int) -> None:
-    """The tour's buttons, first / last step, and the "What if" panel."""
+    """The tour's buttons and the "What if" panel."""
     private = dict(api_visibility="private")
     tour_out = [page.tabs, page.run_pick, page.step_slider, page.tour_box, page.tour_card, page.tour_at,
                 page.tour_back, page.tour_next, page.session]
@@ -85,9 +83,6 @@ def wire_teach(page: Page, decode_handlers: int) -> None:
     page.tour_next.click(bound(tour_next, page), [page.tour_at, page.session], tour_out, **private)
     page.tour_back.click(bound(tour_back, page), [page.tour_at, page.session], tour_out, **private)
     page.tour_close.click(bound(tour_close, page), [page.session], tour_out, **private)
-    step_in = [page.run_pick, page.step_slider, page.session]
-    page.first.click(bound(step_first, page), step_in, [page.step_slider], **private)
-    page.last.click(bound(step_last, page), step_in, [page.step_slider], **private)
     controls = list(page.whatif_controls.values())
     outs = [page.whatif_summary, page.whatif_recorded, page.whatif_tree, page.whatif_recorded_path, page.whatif_path]
     page.run_pick.change(bound(what_if_defaults, page), [page.run_pick, page.session], [*outs, *controls], **private)
