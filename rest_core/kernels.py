@@ -9,7 +9,10 @@ count:
 
 * "packed": oneDNN with the weight reordered once into its blocked layout (an extra copy of it);
 * "transposed": the product computed the other way round, W @ x.T, then transposed back (the same
-  numbers; on some CPUs the library's kernel for a wide right-hand side streams W better).
+  numbers; on some CPUs the library's kernel for a wide right-hand side streams W better);
+* "blocked": REST Lab's own kernel (`rest_core.native`), built for this CPU at first use, with the
+  weight copied once into 16-column panels: every weight is read once per call and serves every row
+  (where no C++ compiler is found it is simply not among the candidates).
 
 `tune_linears(model, name)` swaps every `nn.Linear` of a CPU float32 model for a `TunedLinear`
 and measures, per weight shape and row count, which kernel is fastest on this machine: every
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from datastores.common import cache_dir, safe_file_name, write_atomic
+from rest_core import native
 from rest_core.machine import machine_key
 
 # row counts measured: every query size the cost curve is measured at (rest_core.cost.GRID), so each tree
@@ -55,9 +59,11 @@ MARGIN = 0.05  # another kernel must be this much faster than the default: ties 
 MARGIN_ONE_ROW = 0.15  # for one row (every step of plain decoding) only a clear win counts: a layer timed
 # alone showed the output layer 12% faster prepacked at one row, yet whole one-token passes ran 2-4% slower
 ENV = "REST_LAB_KERNELS"  # "auto" (default): measure and choose; "default": transformers' layers unchanged
-VERSION = 3  # of the cached file's layout and of the timing method (3: every size of the cost curve's grid)
-KERNELS = ("default", "packed", "transposed")  # index 0 is transformers' own F.linear
-DEFAULT, PACKED, TRANSPOSED = range(len(KERNELS))
+VERSION = 4  # of the cached file's layout and of the timing method (4: the blocked kernel among the candidates)
+KERNELS = ("default", "packed", "transposed", "blocked")  # index 0 is transformers' own F.linear
+DEFAULT, PACKED, TRANSPOSED, BLOCKED = range(len(KERNELS))
+NAMES = {"packed": "oneDNN prepacked", "transposed": "transposed product (W @ x.T)",
+         "blocked": "blocked kernel (weights in 16-column panels)"}
 
 Shape = tuple[int, int]  # (out_features, in_features)
 
@@ -91,6 +97,7 @@ class TunedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.packed: Optional[torch.Tensor] = None  # oneDNN layout; a plain attribute, never saved or moved
+        self.panels: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the blocked kernel's weight and bias
         self.plan: tuple[int, ...] = ()  # per row count 0..MAX_ROWS, the kernel (index in KERNELS); empty: default
 
     @property
@@ -101,6 +108,16 @@ class TunedLinear(nn.Module):
         if self.packed is None:
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+
+    def pack_panels(self) -> bool:
+        """The weight in the blocked kernel's panels (made once); False where that kernel is not available."""
+        if self.panels is None and native.library() is not None:
+            self.panels = native.pack(self.weight, self.bias)
+        return self.panels is not None
+
+    def blocked_forward(self, x: torch.Tensor) -> torch.Tensor:
+        panels, bias = self.panels
+        return native.linear(x, panels, bias, self.out_features)
 
     def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.detach()
@@ -118,7 +135,7 @@ class TunedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def kernel(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return (self.default_forward, self.packed_forward, self.transposed_forward)[index]
+        return (self.default_forward, self.packed_forward, self.transposed_forward, self.blocked_forward)[index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
@@ -126,6 +143,8 @@ class TunedLinear(nn.Module):
             k = plan[min(x.numel() // self.in_features, MAX_ROWS)]
             if k == PACKED:
                 return self.packed_forward(x)
+            if k == BLOCKED:
+                return self.blocked_forward(x)
             if k == TRANSPOSED:
                 return self.transposed_forward(x)
         return F.linear(x, self.weight, self.bias)
@@ -171,7 +190,9 @@ class KernelChoice:
                 out.append(table[below])
             else:
                 w = (r - below) / (above - below)
-                out.append(fastest({k: (1 - w) * times[below][k] + w * times[above][k] for k in KERNELS}, r))
+                inf = float("inf")
+                out.append(fastest({k: (1 - w) * times[below].get(k, inf) + w * times[above].get(k, inf)
+                                    for k in KERNELS}, r))
         return tuple(out)
 
     def uses(self, shape: Shape, kernel: str) -> bool:
@@ -202,12 +223,11 @@ class KernelChoice:
         chosen = self._chosen()
         if not chosen:
             return "default linear kernels (measured fastest at every row count)"
-        names = {"packed": "oneDNN prepacked", "transposed": "transposed product (W @ x.T)"}
         parts = []
         for kernel in KERNELS[1:]:
             shapes = [f"{shape}: rows {_ranges(by[kernel])}" for shape, by in chosen.items() if kernel in by]
             if shapes:
-                parts.append(f"{names[kernel]} for " + "; ".join(shapes))
+                parts.append(f"{NAMES[kernel]} for " + "; ".join(shapes))
         return " and ".join(parts)
 
 
@@ -248,13 +268,14 @@ def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS,
     shapes = list(dict.fromkeys(layer.shape for layer in layers))
     out: dict[Shape, dict[int, dict[str, float]]] = {shape: {} for shape in shapes}
     clock = time.perf_counter
+    runs = [k for k in KERNELS if k != "blocked" or all(layer.panels is not None for layer in layers)]
     for r in rows:
         inputs = {n: torch.randn(1, r, n, generator=gen) for n in {layer.in_features for layer in layers}}
         calls = [(layer.shape, inputs[layer.in_features]) for layer in layers]
-        best = {shape: {k: float("inf") for k in KERNELS} for shape in shapes}
+        best = {shape: {k: float("inf") for k in KERNELS} for shape in shapes}  # a kernel not run stays inf
         for rnd in range(rounds + 1):
-            turn = rnd % len(KERNELS)
-            for k in KERNELS[turn:] + KERNELS[:turn]:
+            turn = rnd % len(runs)
+            for k in runs[turn:] + runs[:turn]:
                 fns = [layer.kernel(KERNELS.index(k)) for layer in layers]
                 spent = dict.fromkeys(shapes, 0.0)
                 for fn, (shape, x) in zip(fns, calls):
@@ -273,8 +294,9 @@ def fastest(times: dict[str, float], rows: int) -> str:
     """The kernel to use at this row count: the fastest other kernel when it beats the default by MARGIN
     (MARGIN_ONE_ROW for one row), else the default."""
     margin = MARGIN_ONE_ROW if rows == 1 else MARGIN
-    other = min(KERNELS[1:], key=lambda k: times[k])
-    return other if times[other] < times["default"] * (1.0 - margin) else "default"
+    inf = float("inf")
+    other = min(KERNELS[1:], key=lambda k: times.get(k, inf))  # a kernel not timed (not available) never wins
+    return other if times.get(other, inf) < times["default"] * (1.0 - margin) else "default"
 
 
 def _swap(module: nn.Module) -> list[TunedLinear]:
@@ -303,16 +325,23 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True) -> Optional[Ke
     shapes = {layer.shape for layer in layers}
     path = _cache_path(name)
     choice = _read_cache(path, shapes) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
+    if choice is not None and native.library() is None and any(choice.uses(s, "blocked") for s in shapes):
+        choice = None  # chosen where the blocked kernel was built, which cannot be built now: measured again
     if choice is None:
         choice = _measure(layers)
         if cache:
             _write_cache(path, choice)
     packed = {shape for shape in shapes if choice.uses(shape, "packed")}
+    panels = {shape for shape in shapes if choice.uses(shape, "blocked")}
     for layer in layers:  # keep the packed copies only where they are used
         if layer.shape in packed:
             layer.pack()
         else:
             layer.packed = None
+        if layer.shape in panels:
+            layer.pack_panels()
+        else:
+            layer.panels = None
     choice.layers = layers
     choice.enabled = True
     return choice
@@ -322,6 +351,7 @@ def _measure(layers: list[TunedLinear]) -> KernelChoice:
     start = time.perf_counter()
     for layer in layers:
         layer.pack()
+        layer.pack_panels()
     choice = KernelChoice(timings_ms=measure_layers(layers))
     choice.kernel = {shape: {r: fastest(t, r) for r, t in table.items()} for shape, table in choice.timings_ms.items()}
     choice.measured_s = time.perf_counter() - start

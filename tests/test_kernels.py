@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import rest_core.kernels as kernels
 from datastores import assemble_stores
-from rest_core import cost
+from rest_core import cost, native
 from rest_core.bench import BenchPrompt, run_benchmark
 from rest_core.bench.cli import kernel_variants
 from rest_core.bench.verify_pass import cost_curves, verify_markdown
@@ -50,6 +50,7 @@ def force(choice: KernelChoice, kernel: str) -> None:
     choice.kernel = {shape: {r: kernel for r in ROWS} for shape in choice.kernel}
     for layer in choice.layers:
         layer.pack()
+        assert layer.pack_panels(), native.unavailable()  # a machine with a C++ compiler builds the kernel
     choice.enabled = True
 
 
@@ -61,7 +62,7 @@ def tuned_tiny(kernel: str = "packed"):
     return lm, reference
 
 
-@pytest.mark.parametrize("kernel", ["packed", "transposed"])
+@pytest.mark.parametrize("kernel", ["packed", "transposed", "blocked"])
 def test_every_linear_is_swapped_and_gives_the_default_logits(kernel):
     lm, reference = tuned_tiny(kernel)
     linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
@@ -76,7 +77,7 @@ def test_every_linear_is_swapped_and_gives_the_default_logits(kernel):
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (q, (got - want).abs().max())
 
 
-@pytest.mark.parametrize("kernel", ["packed", "transposed"])
+@pytest.mark.parametrize("kernel", ["packed", "transposed", "blocked"])
 def test_tree_passes_with_a_cache_match_the_default_kernels(kernel):
     """A verify pass (tree mask, DynamicCache) over q nodes: the same logits as transformers' layers."""
     lm, reference = tuned_tiny(kernel)
@@ -97,8 +98,9 @@ def test_tree_passes_with_a_cache_match_the_default_kernels(kernel):
 
 def test_each_kernel_computes_the_layer_with_its_bias_for_any_leading_shape():
     torch.manual_seed(0)
-    layer = TunedLinear(torch.nn.Linear(24, 40, bias=True))
+    layer = TunedLinear(torch.nn.Linear(24, 40, bias=True))  # 40 outputs: the last 16-column panel half full
     layer.pack()
+    assert layer.pack_panels(), native.unavailable()
     with torch.inference_mode():
         for shape in ((1, 1, 24), (1, 7, 24), (3, 5, 24), (7, 24)):
             x = torch.randn(*shape)
@@ -286,3 +288,49 @@ def test_the_compile_probe_times_every_mode_side_by_side_and_puts_inductor_back(
     assert (inductor.max_autotune_gemm_backends, inductor.freezing, torch._dynamo.config.recompile_limit) == before
     with pytest.raises(ValueError, match="unknown mode"):
         module.measure(mlps, 64, modes=("fast",))
+
+
+@pytest.mark.parametrize("why", ["no compiler", "switched off"])
+def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why):
+    monkeypatch.setattr(native, "_tried", False)  # as in a new process, on a machine where it cannot be built
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_why", None)
+    if why == "no compiler":
+        monkeypatch.setenv("CXX", "no-such-compiler")
+        monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    else:
+        monkeypatch.setenv("REST_LAB_NATIVE", "0")
+    assert native.library() is None
+    assert ("no C++ compiler found" if why == "no compiler" else "switched off (REST_LAB_NATIVE=0)") in native.unavailable()
+    choice = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    for table in choice.timings_ms.values():  # never timed, never chosen; the others as ever
+        assert all(t["blocked"] == float("inf") and np.isfinite(t["packed"]) for t in table.values())
+    assert not any(choice.uses(shape, "blocked") for shape in choice.kernel)
+    assert all(layer.panels is None for layer in choice.layers)
+    with pytest.raises(RuntimeError, match="blocked linear kernel is not available"):
+        native.pack(torch.zeros(16, 8), None)
+
+
+def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it_is_measured_again(monkeypatch):
+    assert native.library() is not None, native.unavailable()
+    built = list((native.cache_dir() / "native").glob("blocked-linear-*.so"))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    if built:  # a second process on this machine loads the library built before, compiling nothing
+        monkeypatch.setattr(native, "_compiler", lambda: pytest.fail("compiled again"))
+        assert native.library() is not None
+    monkeypatch.setattr(kernels, "machine_key", lambda: "machine-a")
+    lm = make_tiny_lm(layers=1)
+    choice = tune_linears(lm.model, "tiny-random")
+    force(choice, "blocked")
+    kernels._write_cache(kernels._cache_path("tiny-random"), choice)  # a cache that runs it everywhere
+    measured = []
+    real = kernels._measure
+    monkeypatch.setattr(kernels, "_measure", lambda layers: measured.append(1) or real(layers))
+    again = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    assert not measured and again.uses(next(iter(again.kernel)), "blocked")
+    assert all(layer.panels is not None for layer in again.layers if again.uses(layer.shape, "blocked"))
+    monkeypatch.setattr(native, "_lib", None)  # now it cannot be had: that cache is not trusted
+    monkeypatch.setattr(native, "_tried", True)
+    tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    assert measured == [1]

@@ -20,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
+from rest_core import native
 from rest_core.bench.report import cpu_line, loadavg, machine_info
 from rest_core.cost import GRID
 from rest_core.model import LoadedModel
@@ -27,7 +28,8 @@ from rest_core.model import LoadedModel
 PREFIXES = (256, 1024)
 PROFILE_Q = (1, 8, 16, 64)
 MODES = ("tuned", "default")  # the kernels chosen on this machine; transformers' own
-GROUPS = {"linear": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise"),
+GROUPS = {"linear": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise",
+                     native.PROFILE_NAME),
           "attention": ("scaled_dot_product", "aten::_scaled_dot_product"),
           "cache concatenation": ("aten::cat",)}
 
@@ -117,7 +119,7 @@ def operator_profile(lm: LoadedModel, modes: Sequence[str], prefixes: Sequence[i
                 groups: dict[str, float] = defaultdict(float)
                 top = []
                 for ev in prof.key_averages(group_by_input_shape=True):
-                    if ev.key.startswith("aten::") or ev.key.startswith("mkldnn::"):
+                    if ev.key.startswith(("aten::", "mkldnn::", "rest_lab::")):
                         ms = ev.self_cpu_time_total / 1e3 / passes
                         groups[_group(ev.key)] += ms
                         top.append({"op": ev.key, "shapes": str(ev.input_shapes)[:80], "ms": round(ms, 3),
