@@ -363,7 +363,7 @@ def _cache_path(name: str) -> Path:
 
 
 def _write_cache(path: Path, choice: KernelChoice) -> None:
-    data = {"version": VERSION, "rows": list(ROWS), "kernels": list(KERNELS),
+    data = {"version": VERSION, "rows": list(ROWS), "kernels": list(KERNELS), "native": native.source_tag(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "measured_s": round(choice.measured_s, 3),
             "shapes": {f"{o}x{i}": {str(r): {k: round(ms, 5) for k, ms in t.items()} for r, t in table.items()}
                        for (o, i), table in choice.timings_ms.items()}}
@@ -377,7 +377,8 @@ def _read_cache(path: Path, shapes: set[Shape]) -> Optional[KernelChoice]:
     """The choice stored for this model and machine key; None when missing, unreadable or for other shapes."""
     try:
         data = json.loads(path.read_text())
-        if data.get("version") != VERSION or data.get("rows") != list(ROWS) or data.get("kernels") != list(KERNELS):
+        if (data.get("version") != VERSION or data.get("rows") != list(ROWS) or data.get("kernels") != list(KERNELS)
+                or data.get("native") != native.source_tag()):  # timed with another version of the blocked kernel
             return None
         choice = KernelChoice(source=str(path))
         for text, table in data["shapes"].items():

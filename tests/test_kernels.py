@@ -301,7 +301,8 @@ def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why
     else:
         monkeypatch.setenv("REST_LAB_NATIVE", "0")
     assert native.library() is None
-    assert ("no C++ compiler found" if why == "no compiler" else "switched off (REST_LAB_NATIVE=0)") in native.unavailable()
+    reason = "no C++ compiler found" if why == "no compiler" else "switched off (REST_LAB_NATIVE=0)"
+    assert reason in native.unavailable()
     choice = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     for table in choice.timings_ms.values():  # never timed, never chosen; the others as ever
         assert all(t["blocked"] == float("inf") and np.isfinite(t["packed"]) for t in table.values())
@@ -312,25 +313,34 @@ def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why
 
 
 def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it_is_measured_again(monkeypatch):
-    assert native.library() is not None, native.unavailable()
-    built = list((native.cache_dir() / "native").glob("blocked-linear-*.so"))
-    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_tried", False)  # a new process with this test's empty cache: built here
     monkeypatch.setattr(native, "_lib", None)
-    if built:  # a second process on this machine loads the library built before, compiling nothing
-        monkeypatch.setattr(native, "_compiler", lambda: pytest.fail("compiled again"))
-        assert native.library() is not None
+    assert native.library() is not None, native.unavailable()
+    assert len(list((native.cache_dir() / "native").glob("blocked-linear-*.so"))) == 1
+    monkeypatch.setattr(native, "_tried", False)  # the next process on this machine loads it, compiling nothing
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_compiler", lambda: pytest.fail("compiled again"))
+    assert native.library() is not None
     monkeypatch.setattr(kernels, "machine_key", lambda: "machine-a")
-    lm = make_tiny_lm(layers=1)
-    choice = tune_linears(lm.model, "tiny-random")
-    force(choice, "blocked")
-    kernels._write_cache(kernels._cache_path("tiny-random"), choice)  # a cache that runs it everywhere
+    choice = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    # a cache in which the blocked kernel won everywhere
+    choice.timings_ms = {shape: {r: {"default": 10.0, "packed": 10.0, "transposed": 10.0, "blocked": 1.0}
+                                 for r in ROWS} for shape in choice.kernel}
+    kernels._write_cache(kernels._cache_path("tiny-random"), choice)
     measured = []
     real = kernels._measure
     monkeypatch.setattr(kernels, "_measure", lambda layers: measured.append(1) or real(layers))
     again = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
-    assert not measured and again.uses(next(iter(again.kernel)), "blocked")
-    assert all(layer.panels is not None for layer in again.layers if again.uses(layer.shape, "blocked"))
-    monkeypatch.setattr(native, "_lib", None)  # now it cannot be had: that cache is not trusted
-    monkeypatch.setattr(native, "_tried", True)
+    assert not measured and all(again.plan_of(shape)[1:] == ("blocked",) * MAX_ROWS for shape in again.kernel)
+    assert all(layer.panels is not None and layer.packed is None for layer in again.layers)
+    path = kernels._cache_path("tiny-random")
+    data = json.loads(path.read_text())
+    assert data["native"] == native.source_tag()
+    path.write_text(json.dumps({**data, "native": "0123456789"}))  # timed with another version of the kernel
     tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     assert measured == [1]
+    kernels._write_cache(path, choice)
+    monkeypatch.setattr(native, "_lib", None)  # now it cannot be had: a cache that needs it is not trusted
+    monkeypatch.setattr(native, "_tried", True)
+    redone = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    assert measured == [1, 1] and not any(redone.uses(shape, "blocked") for shape in redone.kernel)

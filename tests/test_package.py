@@ -157,7 +157,8 @@ def test_wheel_installs_and_its_commands_work(space, tmp_path):
                       if p.parts[len(ROOT.parts)] in ("rest_core", "datastores"))
     assert all(f"{pkg}/__init__.py" in names for pkg in packages), sorted(set(packages) - {n.rsplit('/', 1)[0]
                                                                                           for n in names})
-    assert {"rest_core/app/assets/app.css", "rest_core/app/assets/intro.md"} <= set(names)
+    assert {"rest_core/app/assets/app.css", "rest_core/app/assets/intro.md",
+            "rest_core/native/blocked_linear.cpp"} <= set(names)  # the kernel is built from its source at first use
     # no index: every dependency must already be there, i.e. the wheel asks for what requirements.txt installs
     run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-index", str(wheel)], PIP_TIMEOUT_S, env=env)
 
