@@ -109,6 +109,8 @@ def test_each_kernel_computes_the_layer_with_its_bias_for_any_leading_shape():
                 got = layer.kernel(index)(x)
                 assert got.shape == want.shape and got.is_contiguous(), (name, shape)
                 assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (name, shape)
+        with pytest.raises(TypeError, match="takes float32 input, not torch.float64"):  # never misread as float32
+            layer.blocked_forward(torch.randn(2, 24, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -127,6 +127,9 @@ def pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tens
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor, out_features: int) -> torch.Tensor:
     """x (..., K) float32 on the CPU -> (..., out_features), from `pack`'s panels and padded bias.  Called for
     every linear layer of every pass: no more Python work than it takes."""
+    if x.dtype != torch.float32:  # the kernel reads raw float32 memory: anything else would be misread
+        raise TypeError(f"the blocked linear kernel takes float32 input, not {x.dtype}: convert it, or use "
+                        f"REST_LAB_KERNELS=default")
     if not x.is_contiguous():
         x = x.contiguous()
     k = panels.shape[1]
