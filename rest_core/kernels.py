@@ -62,6 +62,7 @@ ENV = "REST_LAB_KERNELS"  # "auto" (default): measure and choose; "default": tra
 VERSION = 4  # of the cached file's layout and of the timing method (4: the blocked kernel among the candidates)
 KERNELS = ("default", "packed", "transposed", "blocked")  # index 0 is transformers' own F.linear
 DEFAULT, PACKED, TRANSPOSED, BLOCKED = range(len(KERNELS))
+UNTIMED = float("inf")  # the time of a kernel not run (not available here): it never wins
 NAMES = {"packed": "oneDNN prepacked", "transposed": "transposed product (W @ x.T)",
          "blocked": "blocked kernel (weights in 16-column panels)"}
 
@@ -190,8 +191,7 @@ class KernelChoice:
                 out.append(table[below])
             else:
                 w = (r - below) / (above - below)
-                inf = float("inf")
-                out.append(fastest({k: (1 - w) * times[below].get(k, inf) + w * times[above].get(k, inf)
+                out.append(fastest({k: (1 - w) * times[below].get(k, UNTIMED) + w * times[above].get(k, UNTIMED)
                                     for k in KERNELS}, r))
         return tuple(out)
 
@@ -272,7 +272,7 @@ def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS,
     for r in rows:
         inputs = {n: torch.randn(1, r, n, generator=gen) for n in {layer.in_features for layer in layers}}
         calls = [(layer.shape, inputs[layer.in_features]) for layer in layers]
-        best = {shape: {k: float("inf") for k in KERNELS} for shape in shapes}  # a kernel not run stays inf
+        best = {shape: {k: UNTIMED for k in KERNELS} for shape in shapes}
         for rnd in range(rounds + 1):
             turn = rnd % len(runs)
             for k in runs[turn:] + runs[:turn]:
@@ -294,9 +294,8 @@ def fastest(times: dict[str, float], rows: int) -> str:
     """The kernel to use at this row count: the fastest other kernel when it beats the default by MARGIN
     (MARGIN_ONE_ROW for one row), else the default."""
     margin = MARGIN_ONE_ROW if rows == 1 else MARGIN
-    inf = float("inf")
-    other = min(KERNELS[1:], key=lambda k: times.get(k, inf))  # a kernel not timed (not available) never wins
-    return other if times.get(other, inf) < times["default"] * (1.0 - margin) else "default"
+    other = min(KERNELS[1:], key=lambda k: times.get(k, UNTIMED))
+    return other if times.get(other, UNTIMED) < times["default"] * (1.0 - margin) else "default"
 
 
 def _swap(module: nn.Module) -> list[TunedLinear]:

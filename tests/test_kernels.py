@@ -292,7 +292,7 @@ def test_the_compile_probe_times_every_mode_side_by_side_and_puts_inductor_back(
         module.measure(mlps, 64, modes=("fast",))
 
 
-@pytest.mark.parametrize("why", ["no compiler", "switched off"])
+@pytest.mark.parametrize("why", ["no compiler", "build fails", "switched off"])
 def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why):
     monkeypatch.setattr(native, "_tried", False)  # as in a new process, on a machine where it cannot be built
     monkeypatch.setattr(native, "_lib", None)
@@ -300,10 +300,13 @@ def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why
     if why == "no compiler":
         monkeypatch.setenv("CXX", "no-such-compiler")
         monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    elif why == "build fails":  # a "compiler" that fails every command, this test's cache holding no build
+        monkeypatch.setenv("CXX", "false")
     else:
         monkeypatch.setenv("REST_LAB_NATIVE", "0")
     assert native.library() is None
-    reason = "no C++ compiler found" if why == "no compiler" else "switched off (REST_LAB_NATIVE=0)"
+    reason = {"no compiler": "no C++ compiler found", "build fails": "false could not build blocked_linear.cpp",
+              "switched off": "switched off (REST_LAB_NATIVE=0)"}[why]
     assert reason in native.unavailable()
     choice = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     for table in choice.timings_ms.values():  # never timed, never chosen; the others as ever

@@ -98,14 +98,14 @@ def _built() -> Path:
         target = Path(tmp) / out.name
         base = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", str(SOURCE), "-o", str(target)]
         openmp = ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
-        errors = []
+        first_error = ""
         for flags in (["-march=native"] + openmp, openmp, ["-march=native"]):  # the best first
             run = subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
             if run.returncode == 0:
                 os.replace(target, out)
                 return out
-            errors.append((run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"])
-        raise OSError(f"{cxx} could not build {SOURCE.name}: {errors[0][0]}")
+            first_error = first_error or ((run.stderr or run.stdout).strip().splitlines() or ["no output"])[-1]
+        raise OSError(f"{cxx} could not build {SOURCE.name}: {first_error}")
 
 
 def pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
