@@ -220,15 +220,20 @@ class KernelChoice:
         """One line for a report: which shapes use which kernel at which row counts."""
         if not self._enabled:
             return "default linear kernels (tuned kernels switched off)"
+        why_not = native.unavailable()
+        missing = f" (blocked kernel not available: {why_not})" if why_not else ""
         chosen = self._chosen()
         if not chosen:
-            return "default linear kernels (measured fastest at every row count)"
+            return "default linear kernels (measured fastest at every row count)" + missing
         parts = []
         for kernel in KERNELS[1:]:
             shapes = [f"{shape}: rows {_ranges(by[kernel])}" for shape, by in chosen.items() if kernel in by]
             if shapes:
-                parts.append(f"{NAMES[kernel]} for " + "; ".join(shapes))
-        return " and ".join(parts)
+                name = NAMES[kernel]
+                if kernel == "blocked":
+                    name = name[:-1] + f", {native.register_rows()} rows in registers)"
+                parts.append(f"{name} for " + "; ".join(shapes))
+        return " and ".join(parts) + missing
 
 
 def row_neighbours(measured: list[int]) -> list[tuple[int, int]]:

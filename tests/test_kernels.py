@@ -113,6 +113,24 @@ def test_each_kernel_computes_the_layer_with_its_bias_for_any_leading_shape():
             layer.blocked_forward(torch.randn(2, 24, dtype=torch.float64))
 
 
+def test_the_blocked_kernel_gives_every_row_count_its_own_sums():
+    """Rows go through the registers in blocks (16 with AVX-512, 6 with AVX2) and a shorter block for the rest:
+    every count up to three blocks and past, each row's outputs from that row alone, every column of a last
+    panel that is not full."""
+    torch.manual_seed(1)
+    layer = TunedLinear(torch.nn.Linear(40, 37, bias=True))
+    assert layer.pack_panels(), native.unavailable()
+    held = native.register_rows()
+    assert held in (6, 16)
+    with torch.inference_mode():
+        for rows in range(1, 3 * held + 3):
+            x = torch.randn(rows, 40)
+            got, want = layer.blocked_forward(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), rows
+            alone = layer.blocked_forward(x[-1:].clone())  # the last row, in the shortest block, on its own
+            assert torch.equal(got[-1:], alone), rows  # the same sums in the same order, bit for bit
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_greedy_rest_stays_identical_to_plain_with_every_kernel(kernel):
     lm, _ = tuned_tiny(kernel)
@@ -313,6 +331,7 @@ def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why
         assert all(t["blocked"] == float("inf") and np.isfinite(t["packed"]) for t in table.values())
     assert not any(choice.uses(shape, "blocked") for shape in choice.kernel)
     assert all(layer.panels is None for layer in choice.layers)
+    assert f"(blocked kernel not available: {native.unavailable()})" in choice.describe()  # the report says why
     with pytest.raises(RuntimeError, match="blocked linear kernel is not available"):
         native.pack(torch.zeros(16, 8), None)
 

@@ -2,11 +2,12 @@
 
 `blocked_linear.cpp` computes y = x W^T + b with W stored once in 16-column panels, so a verify pass
 over a handful of tree nodes streams each weight from memory once, as a one-token step does, and uses
-every loaded weight for every row.  It is compiled with the machine's C++ compiler for this very CPU
-(-march=native) into the cache (`<cache>/native/`, one file per machine key and source), linked to the
-OpenMP runtime torch already uses, and loaded with ctypes: no build step at install time, nothing to
-download.  Where there is no compiler, the build fails, or REST_LAB_NATIVE=0, `library()` returns None
-and `unavailable()` says why; the caller then keeps its other kernels.
+every loaded weight for every row (up to 16 rows at a time with AVX-512, 6 with AVX2).  It is compiled
+with the machine's C++ compiler for this very CPU (-march=native) into the cache (`<cache>/native/`,
+one file per machine key and source), linked to the OpenMP runtime torch already uses, and loaded with
+ctypes: no build step at install time, nothing to download.  Where there is no compiler, the build
+fails, or REST_LAB_NATIVE=0, `library()` returns None and `unavailable()` says why; the caller then keeps
+its other kernels.
 """
 from __future__ import annotations
 
@@ -69,6 +70,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rest_lab_panel_linear.restype = None
     lib.rest_lab_panel_width.argtypes = []
     lib.rest_lab_panel_width.restype = cint
+    lib.rest_lab_register_rows.argtypes = []
+    lib.rest_lab_register_rows.restype = cint
+
+
+def register_rows() -> Optional[int]:
+    """How many rows of sums the kernel holds in registers on this machine (16 with AVX-512, 6 with AVX2),
+    None when the kernel is not available."""
+    lib = library()
+    return None if lib is None else int(lib.rest_lab_register_rows())
 
 
 def _compiler() -> str:

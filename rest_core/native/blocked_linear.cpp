@@ -2,45 +2,67 @@
 // memory once per call whatever the row count, and every weight value loaded serves every row.
 //
 // Layout: W (N x K, row-major) is packed into ceil(N / 16) panels of K x 16 floats (panel b holds output
-// columns 16b .. 16b+15, zero past N), so a panel is read front to back and each k gives two 8-float
-// vectors.  The micro-kernel keeps up to 6 rows x 16 columns of sums in registers (12 vectors) and
-// broadcasts one x value per row and k.  Plain GCC/Clang vector types: the compiler maps them to AVX2,
-// AVX-512 or NEON for the machine it is built on (-march=native); threads come from OpenMP (the same
-// runtime torch uses, so no second thread pool competes for the cores).
+// columns 16b .. 16b+15, zero past N), so a panel is read front to back, one row of 16 floats per k.
+// The micro-kernel keeps MR rows x 16 columns of sums in registers and broadcasts one x value per row
+// and k.  MR follows the register file the compiler targets (-march=native): with AVX-512 a row of the
+// panel is one 16-float vector and 32 vector registers hold 16 rows of sums, so a verify pass of up to
+// 16 tree nodes reads every panel once; with AVX2 (16 registers of 8 floats) 6 rows fit, so 16 rows take
+// three sweeps over a panel that is then in cache.  Plain GCC/Clang vector types: the compiler maps them
+// to AVX2, AVX-512 or NEON; threads come from OpenMP (the same runtime torch uses, so no second thread
+// pool competes for the cores).
 #include <cstdint>
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-constexpr int64_t NB = 16;       // output columns per panel
-constexpr int64_t AHEAD = 4096;  // floats of panel prefetched ahead when several rows make the loop compute-bound
+#if defined(__AVX512F__)
+constexpr int LANES = 16;  // floats per vector register
+constexpr int MR = 16;     // rows of sums held in registers (16 of the 32 vector registers)
+#else
+constexpr int LANES = 8;
+constexpr int MR = 6;      // 12 of 16 registers (AVX2); NEON has 32 registers of 4 floats, the same 6 fit
+#endif
+typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
+constexpr int64_t NB = 16;           // output columns per panel
+constexpr int VPR = NB / LANES;      // vectors per panel row
+constexpr int64_t AHEAD = 4096;      // floats of panel prefetched ahead when several rows make the loop compute-bound
 
-template <int MR, bool PREFETCH>
+template <int R, bool PREFETCH>
 inline __attribute__((always_inline)) void micro(const float* x, int64_t K, const float* panel, const float* bias,
                                                  float* out, int64_t N, int64_t cols) {
-  // v8 is declared with 4-byte alignment, so these loads and stores need no aligned address
-  const v8 b0 = *(const v8*)bias, b1 = *(const v8*)(bias + 8);
-  v8 acc[MR][2];
-  for (int j = 0; j < MR; ++j) { acc[j][0] = b0; acc[j][1] = b1; }
+  // vec is declared with 4-byte alignment, so these loads and stores need no aligned address
+  vec b[VPR];
+  for (int v = 0; v < VPR; ++v) b[v] = *(const vec*)(bias + v * LANES);
+  vec acc[R][VPR];
+  for (int j = 0; j < R; ++j)
+    for (int v = 0; v < VPR; ++v) acc[j][v] = b[v];
   for (int64_t k = 0; k < K; ++k) {
     const float* p = panel + k * NB;
     if (PREFETCH) __builtin_prefetch(p + AHEAD, 0, 3);
-    const v8 w0 = *(const v8*)p, w1 = *(const v8*)(p + 8);
-    for (int j = 0; j < MR; ++j) {
-      const float s = x[j * K + k];
-      const v8 xv = {s, s, s, s, s, s, s, s};
-      acc[j][0] += xv * w0;
-      acc[j][1] += xv * w1;
+    vec w[VPR];
+    for (int v = 0; v < VPR; ++v) w[v] = *(const vec*)(p + v * LANES);
+    for (int j = 0; j < R; ++j) {
+      const float s = x[j * K + k];  // broadcast to every lane by the vector-scalar product
+      for (int v = 0; v < VPR; ++v) acc[j][v] += w[v] * s;
     }
   }
   if (cols == NB) {
-    for (int j = 0; j < MR; ++j) {
-      *(v8*)(out + j * N) = acc[j][0];
-      *(v8*)(out + j * N + 8) = acc[j][1];
-    }
+    for (int j = 0; j < R; ++j)
+      for (int v = 0; v < VPR; ++v) *(vec*)(out + j * N + v * LANES) = acc[j][v];
   } else {  // the last panel of an N that is not a multiple of 16
-    for (int j = 0; j < MR; ++j)
-      for (int64_t c = 0; c < cols; ++c) out[j * N + c] = acc[j][c / 8][c % 8];
+    for (int j = 0; j < R; ++j)
+      for (int64_t c = 0; c < cols; ++c) out[j * N + c] = acc[j][c / LANES][c % LANES];
+  }
+}
+
+// The last M % MR rows: the micro-kernel for exactly that many rows (R counts down to 1).
+template <int R, bool PREFETCH>
+inline void tail(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N,
+                 int64_t cols) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      micro<R, PREFETCH>(x, K, panel, bias, out, N, cols);
+    else
+      tail<R - 1, PREFETCH>(rows, x, K, panel, bias, out, N, cols);
   }
 }
 
@@ -49,17 +71,8 @@ void panel_rows(const float* x, const float* panel, const float* bias, float* ou
                 int64_t b) {
   const int64_t cols = N - b * NB < NB ? N - b * NB : NB;
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) micro<6, PREFETCH>(x + m * K, K, panel, bias, out + m * N + b * NB, N, cols);
-  const float* xm = x + m * K;
-  float* om = out + m * N + b * NB;
-  switch (M - m) {
-    case 5: micro<5, PREFETCH>(xm, K, panel, bias, om, N, cols); break;
-    case 4: micro<4, PREFETCH>(xm, K, panel, bias, om, N, cols); break;
-    case 3: micro<3, PREFETCH>(xm, K, panel, bias, om, N, cols); break;
-    case 2: micro<2, PREFETCH>(xm, K, panel, bias, om, N, cols); break;
-    case 1: micro<1, PREFETCH>(xm, K, panel, bias, om, N, cols); break;
-    default: break;
-  }
+  for (; m + MR <= M; m += MR) micro<MR, PREFETCH>(x + m * K, K, panel, bias, out + m * N + b * NB, N, cols);
+  if (m < M) tail<MR - 1, PREFETCH>((int)(M - m), x + m * K, K, panel, bias, out + m * N + b * NB, N, cols);
 }
 
 }  // namespace
@@ -94,5 +107,8 @@ void rest_lab_panel_linear(const float* x, const float* panels, const float* bia
 }
 
 int rest_lab_panel_width(void) { return (int)NB; }
+
+// Rows of sums the micro-kernel holds in registers on the machine this library was built for.
+int rest_lab_register_rows(void) { return MR; }
 
 }  // extern "C"
