@@ -24,9 +24,10 @@ constexpr int MR = 6;      // 12 of 16 registers (AVX2); NEON has 32 registers o
 typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
 constexpr int64_t NB = 16;           // output columns per panel
 constexpr int VPR = NB / LANES;      // vectors per panel row
-constexpr int64_t AHEAD = 4096;      // floats of panel prefetched ahead when several rows make the loop compute-bound
+constexpr int64_t AHEAD = 4096;      // floats of panel prefetched ahead (16 KB), at every row count: on a Xeon
+                                     // that beat leaving 1-5 rows to the hardware prefetcher
 
-template <int R, bool PREFETCH>
+template <int R>
 inline __attribute__((always_inline)) void micro(const float* x, int64_t K, const float* panel, const float* bias,
                                                  float* out, int64_t N, int64_t cols) {
   // vec is declared with 4-byte alignment, so these loads and stores need no aligned address
@@ -37,7 +38,7 @@ inline __attribute__((always_inline)) void micro(const float* x, int64_t K, cons
     for (int v = 0; v < VPR; ++v) acc[j][v] = b[v];
   for (int64_t k = 0; k < K; ++k) {
     const float* p = panel + k * NB;
-    if (PREFETCH) __builtin_prefetch(p + AHEAD, 0, 3);
+    __builtin_prefetch(p + AHEAD, 0, 3);
     vec w[VPR];
     for (int v = 0; v < VPR; ++v) w[v] = *(const vec*)(p + v * LANES);
     for (int j = 0; j < R; ++j) {
@@ -55,24 +56,23 @@ inline __attribute__((always_inline)) void micro(const float* x, int64_t K, cons
 }
 
 // The last M % MR rows: the micro-kernel for exactly that many rows (R counts down to 1).
-template <int R, bool PREFETCH>
+template <int R>
 inline void tail(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N,
                  int64_t cols) {
   if constexpr (R > 0) {
     if (rows == R)
-      micro<R, PREFETCH>(x, K, panel, bias, out, N, cols);
+      micro<R>(x, K, panel, bias, out, N, cols);
     else
-      tail<R - 1, PREFETCH>(rows, x, K, panel, bias, out, N, cols);
+      tail<R - 1>(rows, x, K, panel, bias, out, N, cols);
   }
 }
 
-template <bool PREFETCH>
 void panel_rows(const float* x, const float* panel, const float* bias, float* out, int64_t M, int64_t K, int64_t N,
                 int64_t b) {
   const int64_t cols = N - b * NB < NB ? N - b * NB : NB;
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) micro<MR, PREFETCH>(x + m * K, K, panel, bias, out + m * N + b * NB, N, cols);
-  if (m < M) tail<MR - 1, PREFETCH>((int)(M - m), x + m * K, K, panel, bias, out + m * N + b * NB, N, cols);
+  for (; m + MR <= M; m += MR) micro<MR>(x + m * K, K, panel, bias, out + m * N + b * NB, N, cols);
+  if (m < M) tail<MR - 1>((int)(M - m), x + m * K, K, panel, bias, out + m * N + b * NB, N, cols);
 }
 
 }  // namespace
@@ -96,14 +96,8 @@ void rest_lab_pack_panels(const float* w, float* panels, int64_t K, int64_t N, i
 void rest_lab_panel_linear(const float* x, const float* panels, const float* bias, float* out, int64_t M, int64_t K,
                            int64_t N, int threads) {
   const int64_t count = (N + NB - 1) / NB;
-  const bool prefetch = M >= 6;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < count; ++b) {
-    if (prefetch)
-      panel_rows<true>(x, panels + b * K * NB, bias + b * NB, out, M, K, N, b);
-    else
-      panel_rows<false>(x, panels + b * K * NB, bias + b * NB, out, M, K, N, b);
-  }
+  for (int64_t b = 0; b < count; ++b) panel_rows(x, panels + b * K * NB, bias + b * NB, out, M, K, N, b);
 }
 
 int rest_lab_panel_width(void) { return (int)NB; }
