@@ -63,8 +63,7 @@ VERSION = 4  # of the cached file's layout and of the timing method (4: the bloc
 KERNELS = ("default", "packed", "transposed", "blocked")  # index 0 is transformers' own F.linear
 DEFAULT, PACKED, TRANSPOSED, BLOCKED = range(len(KERNELS))
 UNTIMED = float("inf")  # the time of a kernel not run (not available here): it never wins
-NAMES = {"packed": "oneDNN prepacked", "transposed": "transposed product (W @ x.T)",
-         "blocked": "blocked kernel (weights in 16-column panels)"}
+NAMES = {"packed": "oneDNN prepacked", "transposed": "transposed product (W @ x.T)"}  # blocked: _kernel_name
 
 Shape = tuple[int, int]  # (out_features, in_features)
 
@@ -229,11 +228,15 @@ class KernelChoice:
         for kernel in KERNELS[1:]:
             shapes = [f"{shape}: rows {_ranges(by[kernel])}" for shape, by in chosen.items() if kernel in by]
             if shapes:
-                name = NAMES[kernel]
-                if kernel == "blocked":
-                    name = name[:-1] + f", {native.register_rows()} rows in registers)"
-                parts.append(f"{name} for " + "; ".join(shapes))
+                parts.append(f"{_kernel_name(kernel)} for " + "; ".join(shapes))
         return " and ".join(parts) + missing
+
+
+def _kernel_name(kernel: str) -> str:
+    """A kernel's name in a report; the blocked kernel's says how many rows it holds in registers here."""
+    if kernel == "blocked":
+        return f"blocked kernel (weights in {native.PANEL}-column panels, {native.register_rows()} rows in registers)"
+    return NAMES[kernel]
 
 
 def row_neighbours(measured: list[int]) -> list[tuple[int, int]]:

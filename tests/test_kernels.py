@@ -127,7 +127,7 @@ def test_the_blocked_kernel_gives_every_row_count_its_own_sums():
             x = torch.randn(rows, 40)
             got, want = layer.blocked_forward(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), rows
-            alone = layer.blocked_forward(x[-1:].clone())  # the last row, in the shortest block, on its own
+            alone = layer.blocked_forward(x[-1:].clone())  # the last row on its own: a block of one
             assert torch.equal(got[-1:], alone), rows  # the same sums in the same order, bit for bit
 
 
