@@ -8,8 +8,15 @@ what was committed and what the model predicted) and the cost model learning fro
 with no draft does everything a plain step does plus that work, so its overhead over a plain step is
 what REST costs where it cannot help.
 
+With --never-draft it measures that cost whole instead: the same stores and cost model, but every tree cut
+to its root after the cost model's decision (so each step looks up, builds and ranks its candidates, then
+runs one token as a plain step does, and teaches the stores), against the plain loop on the same prompts,
+the two interleaved prompt by prompt over --rounds rounds, their outputs checked identical: time per step
+from the first step to the last, everything included.
+
     .venv/bin/python scripts/step_overhead.py --suite chat --limit 8
     .venv/bin/python scripts/step_overhead.py --suite humaneval --limit 8
+    .venv/bin/python scripts/step_overhead.py --suite chat --limit 8 --never-draft --rounds 2
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
 from rest_core.machine import cpu_info
 from rest_core.model import load_model
 from rest_core.phases import PHASES
+from rest_core.tree import root_only
 
 PHASES_AROUND = tuple(p for p in PHASES if p != "forward")  # a step's timed phases besides the forward pass
 
@@ -50,6 +58,44 @@ class _TimedChooser:
 
     def __getattr__(self, name):
         return getattr(self._chooser, name)
+
+
+class _RootOnly:
+    """The decoder's budget chooser, deciding as ever and then cutting every tree to its root."""
+
+    def __init__(self, chooser):
+        self._chooser = chooser
+
+    def decide(self, tree):
+        self._chooser.decide(tree)
+        return root_only(int(tree.tokens[0])), None
+
+    def __getattr__(self, name):
+        return getattr(self._chooser, name)
+
+
+def never_drafting(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeConfig, rounds: int) -> dict:
+    """ms per step of REST cut to the root and of the plain loop, interleaved per prompt (the order flips every
+    round); per prompt the median over rounds of REST's time over plain's."""
+    chooser = decoder.budget_chooser
+    decoder.budget_chooser = _RootOnly(chooser)
+    per: dict[str, list[list[float]]] = {"rest": [[] for _ in prompts], "plain": [[] for _ in prompts]}
+    try:
+        for r in range(rounds):
+            for i, ids in enumerate(prompts):
+                outputs = {}
+                for method in (("rest", "plain") if r % 2 == 0 else ("plain", "rest")):
+                    res = decoder.generate(list(ids), cfg) if method == "rest" else \
+                        plain_generate(decoder.lm, list(ids), cfg)
+                    per[method][i].append((res.wall_s - res.prefill_s) / res.steps * 1e3)
+                    outputs[method] = res.tokens
+                if outputs["rest"] != outputs["plain"]:
+                    raise AssertionError(f"prompt {i}: REST cut to the root decoded other tokens than plain")
+    finally:
+        decoder.budget_chooser = chooser
+    ratios = [float(np.median(np.array(a) / np.array(b))) for a, b in zip(per["rest"], per["plain"])]
+    mean = {m: float(np.mean([x for xs in v for x in xs])) for m, v in per.items()}
+    return {"rest_ms_per_step": mean["rest"], "plain_ms_per_step": mean["plain"], "per_prompt": ratios}
 
 
 def measure(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeConfig) -> dict:
@@ -91,16 +137,26 @@ def main() -> None:
     ap.add_argument("--suite", choices=("chat", "humaneval"), default="chat")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--never-draft", action="store_true",
+                    help="time whole decodes of REST with every tree cut to its root against plain ones")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of --never-draft (default 2)")
     args = ap.parse_args()
     lm = load_model()
     stores, kind = rest_full_stores(lm, args.suite)
     decoder = RestDecoder(lm, stores=stores, budget_chooser=CostModel.for_model(lm, stores=stores, kind=kind))
     prompts = [p.ids for p in load_suite(args.suite, lm.tokenizer, limit=args.limit)]
     decoder.generate(list(prompts[0]), DecodeConfig(max_new_tokens=16))  # warm-up
-    out = measure(decoder, prompts, DecodeConfig(max_new_tokens=args.max_new_tokens))
-    plain = out["plain_ms_per_step"]
     print(f"{cpu_line(cpu_info())}, torch threads "
           f"{torch.get_num_threads()}")
+    if args.never_draft:
+        out = never_drafting(decoder, prompts, DecodeConfig(max_new_tokens=args.max_new_tokens), args.rounds)
+        rest, plain, ratios = out["rest_ms_per_step"], out["plain_ms_per_step"], out["per_prompt"]
+        print(f"plain {plain:.2f} ms per step, REST with every tree cut to its root {rest:.2f}: "
+              f"{rest / plain - 1:+.1%}; per prompt (median of {args.rounds}) {np.median(ratios):.3f}x "
+              f"({min(ratios):.3f}-{max(ratios):.3f}); outputs identical")
+        return
+    out = measure(decoder, prompts, DecodeConfig(max_new_tokens=args.max_new_tokens))
+    plain = out["plain_ms_per_step"]
     print(f"plain: {plain:.2f} ms per step")
     for kind in ("no draft", "with draft"):
         k = out[kind]

@@ -50,3 +50,42 @@ def test_other_dtypes_give_torchs_choices():
     assert (top_successors(logits, 3) == logits.topk(3, dim=-1).indices.numpy()).all()
     half = torch.randn(2, 5000).to(torch.bfloat16)
     assert greedy_choices(half) == half.argmax(dim=-1).tolist()
+
+
+def test_the_native_top_k_answers_where_it_is_built_and_torch_where_it_cannot():
+    from rest_core import native
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(5, 49157, generator=gen)
+    want = logits.topk(8, dim=-1).indices.numpy()
+    assert native.top_k_library() is not None  # a machine with a C++ compiler builds it
+    found = native.row_top_k(logits, 8)
+    assert found is not None and (found == want).all()
+    assert (native.row_top_k(logits, 1)[:, 0] == logits.numpy().argmax(-1)).all()
+    tied = torch.zeros(2, 3000)
+    tied[0, [2999, 40, 1700]] = 3.0  # equal maxima: the lower id first, as argmax picks it
+    assert native.row_top_k(tied, 3)[0].tolist() == [40, 1700, 2999]
+    assert native.row_top_k(tied, 2)[1].tolist() == [0, 1]  # a row of equal values
+    # what it does not take, the caller answers with torch: a NaN, k past its range, another dtype
+    nan = logits.clone()
+    nan[2, 30000] = float("nan")
+    assert native.row_top_k(nan, 8) is None
+    assert (top_successors(nan, 8) == nan.topk(8, dim=-1).indices.numpy()).all()
+    assert native.row_top_k(logits, native.MAX_TOP_K + 1) is None
+    assert native.row_top_k(logits.double(), 8) is None
+    assert (top_successors(logits, 70) == logits.topk(70, dim=-1).indices.numpy()).all()
+
+
+@pytest.mark.parametrize("why", ["switched off", "no compiler"])
+def test_without_the_native_top_k_the_choices_are_the_same(monkeypatch, tmp_path, why):
+    from rest_core import native
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(3))
+    with_native = top_successors(logits, 8)
+    monkeypatch.setattr(native, "_top_k_tried", False)  # as in a new process, on a machine where it cannot be had
+    monkeypatch.setattr(native, "_top_k_lib", None)
+    if why == "switched off":
+        monkeypatch.setenv("REST_LAB_NATIVE", "0")
+    else:  # an empty cache and no compiler
+        monkeypatch.setattr(native, "cache_dir", lambda: tmp_path)
+        monkeypatch.setattr(native, "_compiler", lambda: (_ for _ in ()).throw(OSError("no C++ compiler found")))
+    assert native.top_k_library() is None and native.row_top_k(logits, 8) is None
+    assert (top_successors(logits, 8) == with_native).all()

@@ -364,6 +364,31 @@ def test_the_step_overhead_script_splits_steps_with_and_without_a_draft(tiny_lm)
     assert dec.budget_chooser is None  # the decoder is handed back as it was
 
 
+def test_the_step_overhead_script_times_rest_cut_to_the_root_against_plain(tiny_lm):
+    """--never-draft: the cost model decides every step, but every tree the model sees is the root alone, so the
+    decode is plain decoding with REST's work around it; the chooser is handed back afterwards."""
+    module = script("step_overhead")
+    seen = []
+
+    class Watching(CostModel):
+        def decide(self, tree):
+            seen.append(tree.draft_size)
+            return super().decide(tree)
+
+    chooser = Watching(times_ms=np.array([50.0 + 0.01 * (q - 1) for q in GRID]))
+    dec = RestDecoder(tiny_lm, stores=assemble_stores(request=True, model=RecycleStore(tiny_lm.vocab_size)),
+                      budget_chooser=chooser)
+    cfg = DecodeConfig(max_new_tokens=24, stop_at_eos=False)
+    traces = []
+    real_generate = dec.generate
+    dec.generate = lambda ids, c: real_generate(ids, c, hook=traces.append)
+    out = module.never_drafting(dec, [[5, 6, 7, 8], [5, 6, 7, 8]], cfg, rounds=2)
+    assert len(traces) == 2 * 2 * 24 and all(len(t.tree_tokens) == 1 for t in traces)  # never a draft sent
+    assert max(seen) > 0  # though the stores offered candidates, ranked by the cost model
+    assert out["rest_ms_per_step"] > 0 and out["plain_ms_per_step"] > 0 and len(out["per_prompt"]) == 2
+    assert dec.budget_chooser is chooser
+
+
 def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
     """scripts/cut_ceiling.py on the tiny model: every step's candidate tree is recorded with the cost model's
     ranking; replaying the budgets the cost model kept gives back the drafts the decoder accepted, and a

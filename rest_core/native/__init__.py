@@ -1,13 +1,15 @@
-"""REST Lab's own CPU kernel for linear layers over a few rows, built on this machine at first use.
+"""REST Lab's own CPU kernels, built on this machine at first use.
 
-`blocked_linear.cpp` computes y = x W^T + b with W stored once in 16-column panels, so a verify pass
-over a handful of tree nodes streams each weight from memory once, as a one-token step does, and uses
-every loaded weight for every row (up to 16 rows at a time with AVX-512, 6 with AVX2).  It is compiled
-with the machine's C++ compiler for this very CPU (-march=native) into the cache (`<cache>/native/`,
-one file per machine key and source), linked to the OpenMP runtime torch already uses, and loaded with
-ctypes: no build step at install time, nothing to download.  Where there is no compiler, the build
-fails, or REST_LAB_NATIVE=0, `library()` returns None and `unavailable()` says why; the caller then keeps
-its other kernels.
+`blocked_linear.cpp` computes y = x W^T + b for linear layers over a few rows, with W stored once in
+16-column panels, so a verify pass over a handful of tree nodes streams each weight from memory once, as a
+one-token step does, and uses every loaded weight for every row (up to 16 rows at a time with AVX-512, 6
+with AVX2).  `row_top_k.cpp` finds each logits row's k largest ids in one pass on the calling thread (the
+model's choices every step hands to the stores that learn from it).  Each is compiled with the machine's
+C++ compiler for this very CPU (-march=native) into the cache (`<cache>/native/`, one file per machine key
+and source; the linear kernel linked to the OpenMP runtime torch already uses) and loaded with ctypes: no
+build step at install time, nothing to download.  Where there is no compiler, the build fails, or
+REST_LAB_NATIVE=0, `library()` / `top_k_library()` return None and `unavailable()` says why for the linear
+kernel; the callers then keep their torch paths.
 """
 from __future__ import annotations
 
@@ -20,12 +22,15 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from datastores.common import cache_dir
 from rest_core.machine import machine_key
 
 SOURCE = Path(__file__).with_name("blocked_linear.cpp")
+TOP_K_SOURCE = Path(__file__).with_name("row_top_k.cpp")
+MAX_TOP_K = 64  # the largest k row_top_k.cpp takes
 ENV = "REST_LAB_NATIVE"  # "0" / "off": never build or load the kernel
 PANEL = 16  # output columns per panel (the kernel's NB; checked against the library at load)
 PROFILE_NAME = "rest_lab::blocked_linear"  # what a torch profile calls the kernel
@@ -33,6 +38,8 @@ PROFILE_NAME = "rest_lab::blocked_linear"  # what a torch profile calls the kern
 _lib: Optional[ctypes.CDLL] = None
 _why: Optional[str] = None
 _tried = False
+_top_k_lib: Optional[ctypes.CDLL] = None
+_top_k_tried = False
 
 
 def unavailable() -> Optional[str]:
@@ -46,11 +53,11 @@ def library() -> Optional[ctypes.CDLL]:
     if _tried:
         return _lib
     _tried = True
-    if (os.environ.get(ENV) or "").strip().lower() in ("0", "off", "no", "false"):
+    if _switched_off():
         _why = f"switched off ({ENV}={os.environ[ENV]})"
         return None
     try:
-        path = _built()
+        path = _built(SOURCE, "blocked-linear", openmp=True)
         lib = ctypes.CDLL(str(path))
         _declare(lib)
         if lib.rest_lab_panel_width() != PANEL:
@@ -60,6 +67,44 @@ def library() -> Optional[ctypes.CDLL]:
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         _why = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
     return _lib
+
+
+def _switched_off() -> bool:
+    return (os.environ.get(ENV) or "").strip().lower() in ("0", "off", "no", "false")
+
+
+def top_k_library() -> Optional[ctypes.CDLL]:
+    """The loaded top-k library, built first if this machine has none yet; None when it cannot be had."""
+    global _top_k_lib, _top_k_tried
+    if _top_k_tried:
+        return _top_k_lib
+    _top_k_tried = True
+    if _switched_off():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_built(TOP_K_SOURCE, "row-top-k", openmp=False)))
+        lib.rest_lab_row_top_k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                           ctypes.c_void_p]
+        lib.rest_lab_row_top_k.restype = ctypes.c_int
+        _top_k_lib = lib
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass  # the caller keeps torch's top-k
+    return _top_k_lib
+
+
+def row_top_k(x: torch.Tensor, k: int) -> Optional[np.ndarray]:
+    """(q, V) float32 CPU logits -> (q, k) int64: each row's k largest ids, largest first (of equal values the
+    lower id first, so column 0 is the argmax).  None when the library cannot be had, k is out of its range,
+    or a row holds a NaN: the caller then uses torch."""
+    lib = top_k_library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 \
+            or not 1 <= k <= min(MAX_TOP_K, x.shape[1]):
+        return None
+    x = x.contiguous()
+    out = np.empty((x.shape[0], k), dtype=np.int64)
+    if lib.rest_lab_row_top_k(x.data_ptr(), x.shape[0], x.shape[1], k, out.ctypes.data):
+        return None
+    return out
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -88,17 +133,18 @@ def _compiler() -> str:
     raise OSError("no C++ compiler found (set CXX, or install g++): the blocked linear kernel is not built")
 
 
-def source_tag() -> str:
-    """A short hash of the kernel's source: a choice of kernels measured with another version is measured again."""
+def source_tag(source: Path = SOURCE) -> str:
+    """A short hash of a kernel's source (by default the linear kernel's: a choice of kernels measured with
+    another version of it is measured again)."""
     try:
-        return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+        return hashlib.sha256(source.read_bytes()).hexdigest()[:10]
     except OSError:
         return "missing"
 
 
-def _built() -> Path:
-    """The compiled library for this machine and source, compiled now when missing (atomically)."""
-    out = cache_dir() / "native" / f"blocked-linear-{machine_key()}-{source_tag()}.so"
+def _built(source: Path, stem: str, openmp: bool) -> Path:
+    """The compiled library of one source for this machine, compiled now when missing (atomically)."""
+    out = cache_dir() / "native" / f"{stem}-{machine_key()}-{source_tag(source)}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -106,16 +152,17 @@ def _built() -> Path:
     cxx = _compiler()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
-        base = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", str(SOURCE), "-o", str(target)]
-        openmp = ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"]
+        base = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", str(source), "-o", str(target)]
+        threads = ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"] if openmp else []
         first_error = ""
-        for flags in (["-march=native"] + openmp, openmp, ["-march=native"]):  # the best first
+        attempts = (["-march=native"] + threads, threads, ["-march=native"])  # the best first
+        for flags in [f for i, f in enumerate(attempts) if f not in attempts[:i]]:
             run = subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
             if run.returncode == 0:
                 os.replace(target, out)
                 return out
             first_error = first_error or ((run.stderr or run.stdout).strip().splitlines() or ["no output"])[-1]
-        raise OSError(f"{cxx} could not build {SOURCE.name}: {first_error}")
+        raise OSError(f"{cxx} could not build {source.name}: {first_error}")
 
 
 def pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,97 @@
+// The k largest values of each row of a float32 matrix (logits: a few rows of a whole vocabulary), as ids
+// largest first; of equal values the lower id comes first, so rank 0 is the argmax torch and numpy give.
+//
+// One pass over each row, on the calling thread: the row is read in blocks of 16 vectors whose maximum is
+// compared with the k-th largest value so far, and only a block that holds a larger value is looked into.
+// After the first few thousand values almost no block does, so the pass runs at the speed of reading the
+// row.  No thread pool is woken for it: after a forward pass the row is often read again by the same core,
+// and waking threads for 200 KB costs more than the work.  Returns 1 when a row holds a NaN (the caller
+// then uses torch's own top-k, which has its own rule for NaN).
+#include <cstdint>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+#else
+constexpr int LANES = 8;
+#endif
+typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef int ivec __attribute__((vector_size(LANES * 4)));
+constexpr int VB = 16;             // vectors per block
+constexpr int BLOCK = VB * LANES;  // floats per block
+constexpr int MAX_K = 64;
+
+// Put value v of id into the sorted top list (largest first, `n` entries, room for one more when n < k).
+// An equal value already there stays ahead: it has the lower id.
+inline void insert(float v, int64_t id, float* vals, int64_t* ids, int n) {
+  int j = n;
+  while (j > 0 && vals[j - 1] < v) {
+    vals[j] = vals[j - 1];
+    ids[j] = ids[j - 1];
+    --j;
+  }
+  vals[j] = v;
+  ids[j] = id;
+}
+
+int row_top(const float* x, int64_t V, int k, int64_t* out) {
+  float vals[MAX_K + 1];
+  int64_t ids[MAX_K + 1];
+  int n = 0;
+  int64_t i = 0;
+  for (; i < V && n < k; ++i) {  // the first k values, sorted
+    if (x[i] != x[i]) return 1;
+    insert(x[i], i, vals, ids, n++);
+  }
+  // scalar up to a vector boundary, then whole blocks, then the tail
+  for (; i < V && (i % LANES); ++i) {
+    if (x[i] != x[i]) return 1;
+    if (x[i] > vals[k - 1]) insert(x[i], i, vals, ids, k - 1);
+  }
+  ivec nan = {};
+  for (; i + BLOCK <= V; i += BLOCK) {
+    vec m = *(const vec*)(x + i);
+    nan |= (m != m);
+    for (int v = 1; v < VB; ++v) {
+      const vec w = *(const vec*)(x + i + v * LANES);
+      nan |= (w != w);
+      m = w > m ? w : m;
+    }
+    float top = m[0];
+    for (int l = 1; l < LANES; ++l) top = m[l] > top ? m[l] : top;
+    if (!(top > vals[k - 1])) continue;
+    for (int v = 0; v < VB; ++v) {  // the block holds a new top value: find the vectors that do
+      const float* p = x + i + v * LANES;
+      const ivec hit = *(const vec*)p > vals[k - 1];
+      int any = 0;
+      for (int l = 0; l < LANES; ++l) any |= hit[l];
+      if (!any) continue;
+      for (int l = 0; l < LANES; ++l)
+        if (p[l] > vals[k - 1]) insert(p[l], i + v * LANES + l, vals, ids, k - 1);
+    }
+  }
+  for (int l = 0; l < LANES; ++l)
+    if (nan[l]) return 1;
+  for (; i < V; ++i) {
+    if (x[i] != x[i]) return 1;
+    if (x[i] > vals[k - 1]) insert(x[i], i, vals, ids, k - 1);
+  }
+  for (int j = 0; j < k; ++j) out[j] = ids[j];
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out (rows x k, int64) = each row's k largest ids of x (rows x V, float32, row-major); 1 <= k <= min(V, 64).
+// Returns 1 when some row holds a NaN (out is then incomplete), else 0.
+int rest_lab_row_top_k(const float* x, int64_t rows, int64_t V, int k, int64_t* out) {
+  if (k < 1 || k > MAX_K || k > V) return 1;
+  for (int64_t r = 0; r < rows; ++r)
+    if (row_top(x + r * V, V, k, out + r * k)) return 1;
+  return 0;
+}
+
+}  // extern "C"
