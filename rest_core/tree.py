@@ -104,11 +104,17 @@ def row_order(rows: np.ndarray) -> np.ndarray:
     return np.argsort(keys.view(np.dtype((np.void, 8 * keys.shape[1]))).ravel(), kind="stable")
 
 
-def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> tuple[dict, float]:
-    """Every distinct prefix of the rows as a candidate node: depth, last token, score, first
-    sorted row, parent candidate, dominant source, its share and support, as flat arrays ordered
-    by depth, then sorted-row order; plus the total weight.  All depths at once: a prefix is a run
-    of sorted rows that agree up to its depth."""
+def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray,
+                       budget: int | None = None) -> tuple[dict, float]:
+    """Every distinct prefix of the rows that can be among the `budget` best as a candidate node (all of
+    them when budget is None): depth, last token, score, first sorted row, parent candidate, dominant
+    source, its share and support, as flat arrays ordered by depth, then sorted-row order; plus the total
+    weight.  All depths at once: a prefix is a run of sorted rows that agree up to its depth.
+
+    A step's rows can hold thousands of prefixes (512 continuations of 24 tokens from one store) of which
+    the tree keeps a few dozen, so each prefix is first scored roughly (a float running sum of row
+    weights) and only those within rounding of the budget-th best rough score are scored exactly: a
+    superset of the best `budget`, so the tree built from them is the one all prefixes give."""
     order = row_order(rows)  # (k,) sort by column 0, then 1, ...
     rows, src = rows[order], src[order]
     k, width = rows.shape
@@ -128,13 +134,25 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray) -> t
     end = np.where(same_depth, np.append(start[1:], k), k)  # one past its last row
     keep = real[start, depth]
     depth, start, end = depth[keep], start[keep], end[keep]
+    key = depth * k + start  # ascending: a prefix's place among all of them
+    if budget is not None and depth.size > budget > 0:
+        weight = np.concatenate([[0.0], np.cumsum(unit[src])])  # (k+1,) weight of the sorted rows so far
+        rough = weight[end] - weight[start]  # each prefix's score, off by float rounding at most
+        bar = np.partition(rough, rough.size - budget)[rough.size - budget]  # the budget-th best rough score
+        near = np.flatnonzero(rough >= bar - 1e-9 * total)  # rounding is ~1e-13 of the total weight
+        depth, start, end = depth[near], start[near], end[near]
+    else:
+        near = None
     n = depth.size
     rows_src = cum_src[:, end] - cum_src[:, start]  # (S, n) rows per source
     by_src = rows_src * unit[:, None]  # (S, n) weight per source
     dominant = by_src.argmax(axis=0) if n else np.zeros(0, dtype=np.int64)
     idx = np.arange(n)
-    key = depth * k + start  # ascending
     parent = np.searchsorted(key, (depth - 1) * k + start, side="right") - 1  # the prefix one shorter
+    if near is not None:  # its place among the prefixes scored (-2 if it was not: then this one is never kept)
+        place = np.full(key.size, -2)
+        place[near] = idx
+        parent = place[np.maximum(parent, 0)]
     parent = np.where(depth > 0, parent, -1)
     return {"depth": depth + 1, "token": rows[start, depth], "score": by_src.sum(axis=0), "start": start,
             "parent": parent, "source": dominant,
@@ -149,7 +167,7 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
     if stacked is None:
         return root_only(root_token)
     rows, src, unit, names = stacked
-    c, total = _prefix_candidates(rows, src, unit)
+    c, total = _prefix_candidates(rows, src, unit, budget)
     if c["depth"].size == 0:
         return root_only(root_token)
 
@@ -158,7 +176,8 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
     keep = keep[np.lexsort((c["start"][keep], c["depth"][keep]))]  # flatten by depth, siblings in token order
     new_index = np.full(c["depth"].size, -1)
     new_index[keep] = np.arange(1, keep.size + 1)
-    parents = np.where(c["parent"][keep] >= 0, new_index[np.maximum(c["parent"][keep], 0)], 0)
+    parent = c["parent"][keep]  # -1: the root
+    parents = np.where(parent == -1, 0, np.where(parent >= 0, new_index[np.maximum(parent, 0)], -1))
     assert (parents >= 0).all() and (parents < np.arange(1, keep.size + 1)).all(), "kept prefixes must form a tree"
 
     tree_tokens = np.concatenate([[root_token], c["token"][keep]]).astype(np.int64)

@@ -146,6 +146,32 @@ def test_pruning_a_tree_equals_building_it_with_the_smaller_budget(lookups, big,
     assert pruned.children == direct.children
 
 
+def _same_tree(a, b) -> bool:
+    return (a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+            and a.depths.tolist() == b.depths.tolist() and a.scores.tolist() == b.scores.tolist()
+            and a.sources == b.sources and a.shares.tolist() == b.shares.tolist()
+            and a.support.tolist() == b.support.tolist())
+
+
+@settings(max_examples=150, deadline=None)
+@given(lookups=lookups_strategy(), budget=st.integers(1, 40))
+def test_scoring_only_the_prefixes_near_the_budget_gives_the_tree_all_prefixes_give(lookups, budget):
+    """Only prefixes within rounding of the budget-th best rough score are scored exactly; with a budget
+    above the number of prefixes every one is. The kept nodes, scores, sources and shares are the same."""
+    assert _same_tree(build_draft_tree(9, lookups, budget), prune_tree(build_draft_tree(9, lookups, 10**6), budget))
+
+
+def test_thousands_of_prefixes_with_many_ties_give_the_same_tree():
+    """As a step in chat: one store's 512 continuations of 24 tokens after a frequent pair, two more stores
+    with fewer rows and other weights, a small alphabet so that many prefixes are shared and many tie."""
+    rng = np.random.default_rng(11)
+    lookups = [OracleLookup("static", 2, 512, rng.integers(0, 5, size=(512, 24))),
+               OracleLookup("answers", 3, 200, rng.integers(0, 3, size=(200, 24))),
+               OracleLookup("model", 1, 37, np.repeat(rng.integers(0, 4, size=(5, 24)), [20, 8, 5, 3, 1], axis=0))]
+    for budget in (1, 8, 63):
+        assert _same_tree(build_draft_tree(9, lookups, budget), prune_tree(build_draft_tree(9, lookups, 10**6), budget))
+
+
 def test_rows_sort_as_lexsort_sorts_them():
     rng = np.random.default_rng(3)
     for width in (1, 3, 24):
