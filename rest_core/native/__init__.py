@@ -130,7 +130,7 @@ def _compiler() -> str:
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if name and shutil.which(name):
             return name
-    raise OSError("no C++ compiler found (set CXX, or install g++): the blocked linear kernel is not built")
+    raise OSError("no C++ compiler found (set CXX, or install g++): REST Lab's native kernels are not built")
 
 
 def source_tag(source: Path = SOURCE) -> str:
@@ -155,8 +155,8 @@ def _built(source: Path, stem: str, openmp: bool) -> Path:
         base = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", str(source), "-o", str(target)]
         threads = ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"] if openmp else []
         first_error = ""
-        attempts = (["-march=native"] + threads, threads, ["-march=native"])  # the best first
-        for flags in [f for i, f in enumerate(attempts) if f not in attempts[:i]]:
+        attempts = [["-march=native"] + threads, threads, ["-march=native"]] if openmp else [["-march=native"], []]
+        for flags in attempts:  # the best first
             run = subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
             if run.returncode == 0:
                 os.replace(target, out)
