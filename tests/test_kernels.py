@@ -368,3 +368,39 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     monkeypatch.setattr(native, "_tried", True)
     redone = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     assert measured == [1, 1] and not any(redone.uses(shape, "blocked") for shape in redone.kernel)
+
+
+def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_back(tmp_path):
+    """scripts/kernel_ab.py: both builds run every size in every round (their calls timed), the logits of the two
+    compared, and the kernel the layers call afterwards is the one they called before."""
+    module = script("kernel_ab")
+    lm, _ = tuned_tiny("blocked")  # every layer on the blocked kernel, at every row count
+    real = native.current_kernel()
+    calls = {"base": 0, "new": 0}
+
+    def counting(name):
+        def kernel(*args):
+            calls[name] += 1
+            real(*args)
+        return kernel
+
+    out = module.compare(lm, {"base": counting("base"), "new": counting("new")}, prefixes=[20], qs=[1, 3, 9],
+                         rounds=2)
+    assert native.current_kernel() is real
+    per_pass = 2 * 7 + 1  # every linear layer of the tiny model once per pass
+    assert calls == {"base": 3 * 3 * per_pass, "new": 3 * 3 * per_pass}  # 3 sizes x (warm-up + 2 rounds)
+    for name in ("base", "new"):
+        rows = out[20][name]
+        assert rows[1]["x_one"] == 1.0 and all(r["pass_ms"] > 0 and 0 < r["kernel_ms"] <= r["pass_ms"]
+                                               for r in rows.values())
+    assert out["max_logit_diff"][20] == {1: 0.0, 3: 0.0, 9: 0.0}  # the same kernel twice: the same logits
+    assert "| 9 | " in module.report(out, ["base", "new"], [1, 3, 9])
+
+
+def test_the_kernel_ab_script_reads_a_revision_of_the_kernel_or_names_what_is_wrong(tmp_path):
+    module = script("kernel_ab")
+    path = module.source_at("HEAD", tmp_path)
+    assert "rest_lab_panel_linear" in path.read_text()
+    with pytest.raises(ValueError, match="no-such-revision.*give a commit that holds the kernel"):
+        module.source_at("no-such-revision", tmp_path)
+    assert callable(module.load_build(native.SOURCE))

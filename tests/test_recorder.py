@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -344,25 +343,28 @@ def test_running_run_of_a_reused_pid_is_interrupted(rec):
     assert rec.get_run(run_id)["status"] == "interrupted"
 
 
-# ------------------------------------------------------------------ overhead
+# ------------------------------------------------------------------ large steps
 
-def test_recording_overhead_is_small(rec):
-    """A 64-node tree over a 1,000-token prefix with 200 ten-token branches costs a
-    few ms (a decode step takes 50-130 ms on 2 CPU cores; the budget is 5%)."""
+def test_large_steps_are_recorded_whole_through_the_hook(rec):
+    """Steps as large as a decode makes them (a 64-node tree over a 1,000-token prefix, 200 ten-token branches)
+    go through the live hook whole: every node and mask cell comes back, and the branches kept.  What recording
+    costs per step is measured by the benchmark (`rest_static_traced` against `rest_static`,
+    docs/bench/recording.md), not timed here."""
     rng = random.Random(7)
     traces = [make_trace(rng, step=k, prefix_len=1000 + k, n_nodes=64) for k in range(30)]
     for t in traces:
         t.branches = [Branch("static", tuple(rng.randrange(V) for _ in range(10)), 3) for _ in range(200)]
     run_id = rec.start_run(model="m", tokenizer_name="t", stores=[], settings={}, prompt="", prompt_tokens=0)
     hook = rec.step_hook(run_id, FakeTokenizer())
-    times = []
     for t in traces:
-        start = time.perf_counter()
         hook(t)
-        times.append((time.perf_counter() - start) * 1e3)
-    median = sorted(times)[len(times) // 2]
-    print(f"recording: median {median:.2f} ms per step")
-    assert median < 8.0
+    assert rec.step_count(run_id) == 30
+    for t in (traces[0], traces[17], traces[-1]):
+        s = rec.load_step(run_id, t.step, mask="numpy")
+        recorded = {FakeTokenizer().decode(list(b.tokens)) for b in t.branches}
+        # of 200 equally frequent branches of one source, the most frequent MAX_BRANCHES_PER_SOURCE are kept
+        assert len(s["branches"]) == MAX_BRANCHES_PER_SOURCE and {b["text"] for b in s["branches"]} <= recorded
+        assert len(s["nodes"]) == 64 and np.array_equal(s["mask"], t.mask[0, 0].float().numpy())
 
 
 def test_prompt_ids_default_path_and_finish_keeping_counts(tmp_path, monkeypatch):

@@ -57,16 +57,35 @@ def library() -> Optional[ctypes.CDLL]:
         _why = f"switched off ({ENV}={os.environ[ENV]})"
         return None
     try:
-        path = _built(SOURCE, "blocked-linear", openmp=True)
-        lib = ctypes.CDLL(str(path))
-        _declare(lib)
-        if lib.rest_lab_panel_width() != PANEL:
-            raise OSError(f"{path.name} packs {lib.rest_lab_panel_width()} columns per panel, not {PANEL}")
+        lib = load_library(SOURCE, "blocked-linear")
         _lib = lib
         _kernel = lib.rest_lab_panel_linear
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         _why = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
     return _lib
+
+
+def load_library(source: Path, stem: str) -> ctypes.CDLL:
+    """A blocked-kernel library built from `source` (compiled when this machine has no build of it yet), loaded
+    and checked; OSError / SubprocessError when it cannot be built or is not one."""
+    path = _built(source, stem, openmp=True)
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    if lib.rest_lab_panel_width() != PANEL:
+        raise OSError(f"{path.name} packs {lib.rest_lab_panel_width()} columns per panel, not {PANEL}")
+    return lib
+
+
+def current_kernel():
+    """The function every blocked layer calls (the loaded library's, unless `use_kernel` swapped it)."""
+    return _kernel
+
+
+def use_kernel(fn) -> None:
+    """Have every blocked layer call `fn` (same arguments as rest_lab_panel_linear): another build of the
+    kernel compared side by side (scripts/kernel_ab.py), or a timing wrapper."""
+    global _kernel
+    _kernel = fn
 
 
 def _switched_off() -> bool:
