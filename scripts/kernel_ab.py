@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rest_core import native
 from rest_core.bench.report import cpu_line
+from rest_core.bench.verify_pass import PrefixPass
 from rest_core.machine import cpu_info
 from rest_core.model import LoadedModel, load_model
 
@@ -82,28 +82,20 @@ def compare(lm: LoadedModel, builds: dict[str, Callable], prefixes: Sequence[int
     out: dict = {"max_logit_diff": {}}
     try:
         for p in prefixes:
-            gen = torch.Generator().manual_seed(p)
-            cache = DynamicCache(config=lm.model.config)
-            lm.forward(input_ids=torch.randint(0, lm.vocab_size, (1, p), generator=gen), cache=cache,
-                       logits_to_keep=1)
+            run = PrefixPass(lm, p)
             samples: dict = defaultdict(lambda: defaultdict(list))
             for r in range(rounds + 1):
-                ids = {q: torch.randint(0, lm.vocab_size, (1, q), generator=gen) for q in qs}
-                logits = {}
+                ids = {q: run.random_ids(q) for q in qs}  # the same tokens for both builds in a round
+                logits: dict = defaultdict(list)
                 for name in (names if r % 2 else names[::-1]):
                     native.use_kernel(timed[name])
                     for q in qs:
-                        mask = torch.zeros((1, 1, q, p + q), dtype=lm.dtype) if q > 1 else None
-                        pos = torch.arange(p, p + q)[None]
                         timed[name].seconds = 0.0
-                        t0 = time.perf_counter()
-                        res = lm.forward(input_ids=ids[q], position_ids=pos, attention_mask=mask, cache=cache)
-                        ms = (time.perf_counter() - t0) * 1e3
-                        cache.crop(-q)
+                        ms = run(q, ids[q])
                         if r:
                             samples[name][q].append((ms, timed[name].seconds * 1e3))
                         else:  # the warm-up round: each build's logits, compared below
-                            logits.setdefault(q, []).append(res.logits[0])
+                            logits[q].append(run.logits)
                 if not r:
                     out["max_logit_diff"][p] = {q: float((a - b).abs().max()) for q, (a, b) in logits.items()}
             out[p] = {}
@@ -143,14 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1 or min(args.q) < 1 or min(args.prefix) < 1:
         ap.error("--rounds, --q and --prefix take positive numbers")
-    lm = load_model(args.model)
-    if lm.device.type != "cpu":
-        ap.error("the blocked kernel runs on the CPU only; this model loaded on " + lm.device.type)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # the revision first: a wrong one is told before the model loads
         try:
             base = load_build(source_at(args.base, Path(tmp)))
         except ValueError as exc:
             ap.error(str(exc))
+        except (OSError, subprocess.SubprocessError) as exc:
+            ap.error(f"the kernel at {args.base} could not be built or loaded: {exc}")
+    lm = load_model(args.model)
+    if lm.device.type != "cpu":
+        ap.error("the blocked kernel runs on the CPU only; this model loaded on " + lm.device.type)
     builds = {args.base: base, "work tree": load_build(native.SOURCE)}
     out = compare(lm, builds, args.prefix, args.q, args.rounds)
     print(f"# Two builds of the blocked kernel: {cpu_line(cpu_info())}, torch threads {torch.get_num_threads()}\n")

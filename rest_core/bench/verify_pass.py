@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -34,25 +35,30 @@ GROUPS = {"linear": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", 
           "cache concatenation": ("aten::cat",)}
 
 
-class _Pass:
-    """One forward pass over q random tokens after a fixed random prefix, cache cropped back after it."""
+class PrefixPass:
+    """One forward pass over q tokens (random unless given) after a fixed random prefix, timed, the cache cropped
+    back after it; `logits` keeps the last pass's (q, V) logits."""
 
     def __init__(self, lm: LoadedModel, prefix_len: int):
         self.lm, self.prefix_len = lm, prefix_len
         self.gen = torch.Generator().manual_seed(prefix_len)
         self.vocab = lm.vocab_size
         self.cache = DynamicCache(config=lm.model.config)
+        self.logits: Optional[torch.Tensor] = None
         ids = torch.randint(0, self.vocab, (1, prefix_len), generator=self.gen).to(lm.device)
         lm.forward(input_ids=ids, cache=self.cache, logits_to_keep=1)
 
-    def __call__(self, q: int) -> float:
+    def random_ids(self, q: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (1, q), generator=self.gen)  # (1, q)
+
+    def __call__(self, q: int, ids: Optional[torch.Tensor] = None) -> float:
         lm, p = self.lm, self.prefix_len
-        ids = torch.randint(0, self.vocab, (1, q), generator=self.gen).to(lm.device)  # (1, q)
+        ids = (self.random_ids(q) if ids is None else ids).to(lm.device)  # (1, q)
         pos = torch.arange(p, p + q, device=lm.device)[None]  # (1, q)
         mask = torch.zeros((1, 1, q, p + q), dtype=lm.dtype, device=lm.device) if q > 1 else None
         _sync(lm)
         t0 = time.perf_counter()
-        lm.forward(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache)
+        self.logits = lm.forward(input_ids=ids, position_ids=pos, attention_mask=mask, cache=self.cache).logits[0]
         _sync(lm)
         ms = (time.perf_counter() - t0) * 1e3
         self.cache.crop(-q)
@@ -81,7 +87,7 @@ def cost_curves(lm: LoadedModel, modes: Sequence[str], prefixes: Sequence[int] =
     """{prefix: {mode: {q: stats of one pass in ms}}}: every q and mode timed once per round, interleaved."""
     out = {}
     for p in prefixes:
-        run = _Pass(lm, p)
+        run = PrefixPass(lm, p)
         samples: dict = defaultdict(lambda: defaultdict(list))
         for r in range(rounds + 1):
             for q in grid:
@@ -108,7 +114,7 @@ def operator_profile(lm: LoadedModel, modes: Sequence[str], prefixes: Sequence[i
     """Per prefix, q and mode: self CPU ms per pass of each operator group, and the top operators with shapes."""
     rows = []
     for p in prefixes:
-        run = _Pass(lm, p)
+        run = PrefixPass(lm, p)
         for q in qs:
             for mode in modes:
                 _set_mode(lm, mode)
