@@ -100,11 +100,9 @@ def compare(lm: LoadedModel, builds: dict[str, Callable], prefixes: Sequence[int
                     out["max_logit_diff"][p] = {q: float((a - b).abs().max()) for q, (a, b) in logits.items()}
             out[p] = {}
             for name in names:
-                one = float(np.median([s[0] for s in samples[name][qs[0]]]))
-                out[p][name] = {q: {"pass_ms": round(float(np.median([s[0] for s in samples[name][q]])), 2),
-                                    "kernel_ms": round(float(np.median([s[1] for s in samples[name][q]])), 2),
-                                    "x_one": round(float(np.median([s[0] for s in samples[name][q]])) / one, 3)}
-                                for q in qs}
+                med = {q: np.median(np.array(samples[name][q]), axis=0) for q in qs}  # (pass ms, kernel ms)
+                out[p][name] = {q: {"pass_ms": round(float(med[q][0]), 2), "kernel_ms": round(float(med[q][1]), 2),
+                                    "x_one": round(float(med[q][0] / med[qs[0]][0]), 3)} for q in qs}
     finally:
         native.use_kernel(kept)
     return out

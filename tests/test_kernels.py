@@ -370,7 +370,7 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     assert measured == [1, 1] and not any(redone.uses(shape, "blocked") for shape in redone.kernel)
 
 
-def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_back(tmp_path):
+def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_back():
     """scripts/kernel_ab.py: both builds run every size in every round (their calls timed), the logits of the two
     compared, and the kernel the layers call afterwards is the one they called before."""
     module = script("kernel_ab")
