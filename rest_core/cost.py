@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from datastores.common import cache_dir, safe_file_name, write_atomic
 from rest_core.kernels import ROWS
+from rest_core.kv_cache import new_cache
 from rest_core.machine import machine_key
 from rest_core.tree import DraftTree, keep_nodes
 
@@ -433,7 +433,7 @@ def measure_forward_curve(lm: LoadedModel, prefix_len: int = 256, repeats: int =
     gen = torch.Generator().manual_seed(0)
     samples: dict[int, list[float]] = {q: [] for q in grid}
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
         prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(lm.device)
         lm.forward(input_ids=prefix, cache=cache, logits_to_keep=1)
         for rep in range(repeats + 1):

@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from datastores import Lookup, Store
 from rest_core.commit import compact_cache
+from rest_core.kv_cache import new_cache
 from rest_core.model import LoadedModel
 from rest_core.phases import PHASES, PhaseTimer
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
@@ -131,7 +132,7 @@ def _sync(device: torch.device) -> None:
 
 def prefill(lm: LoadedModel, prompt: Sequence[int]) -> DynamicCache:
     """Run every prompt token but the last through the model; the last is the first root."""
-    cache = DynamicCache(config=lm.model.config)
+    cache = new_cache(lm.model)
     if len(prompt) > 1:
         ids = torch.tensor([list(prompt[:-1])], device=lm.device)
         lm.forward(input_ids=ids, cache=cache, logits_to_keep=1)

@@ -34,6 +34,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from datastores import cache_dir
+from rest_core import attention, native
+from rest_core.attention import AttentionChoice, tune_attention
 from rest_core.kernels import KernelChoice, tune_linears
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ class LoadedModel:
     dtype: torch.dtype
     eos_ids: Optional[frozenset[int]] = None  # when given, these end a decode instead of the model's own
     kernels: Optional[KernelChoice] = None  # the linear kernels chosen on this machine (None: transformers' own)
+    attention: Optional[AttentionChoice] = None  # the attention kernel per row count (None: torch's SDPA)
     _cache_kw: Optional[str] = field(default=None, repr=False)
 
     @property
@@ -154,6 +157,13 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = q_len > 1 and attention_mask is None and (is_causal if is_causal is not None
                                                        else getattr(module, "is_causal", True))
+    if (not causal and not dropout and query.device.type == "cpu"
+            and q_len in attention.native_rows_for((query.shape[1], key.shape[1], query.shape[3]))
+            and all(kwargs.get(k) is None for k in ("position_bias", "softcap", "sliding_window", "s_aux"))):
+        out = native.attention(query, key, value, attention_mask,
+                               scaling if scaling is not None else query.shape[-1] ** -0.5)
+        if out is not None:  # REST Lab's kernel, where it was measured faster on this machine (rest_core.attention)
+            return out, None
     plain = (groups > 1 and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
              and not (causal and kv_len != q_len))
     if not plain:
@@ -321,8 +331,10 @@ def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype:
         raise _friendly(name, source, err) from err
     net.to(dev).eval()
     kernels = tune_linears(net, name)  # CPU float32 only: the faster linear kernel per row count, measured here
+    # and the faster attention kernel per row count, where the model attends through REST's attention function
+    attn = tune_attention(net) if getattr(net.config, "_attn_implementation", None) == ATTENTION else None
     return LoadedModel(model=net, tokenizer=tokenizer, name=name, source=source, device=dev, dtype=torch_dtype,
-                       kernels=kernels)
+                       kernels=kernels, attention=attn)
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool = False, history: Optional[list[dict]] = None) -> list[int]:

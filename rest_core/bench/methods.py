@@ -14,8 +14,9 @@ Methods
   rest_answers      the general-text store only (the model's own answers to varied requests,
                     source "answers"); offered when the run has that store (chat, by default)
   rest_static_traced  (opt-in) rest_static with every step recorded to SQLite
-  <method>@default  (with --kernels-ab) the method with transformers' default linear kernels instead of
-                    the ones chosen on this machine (rest_core.kernels); its own stores and cost model
+  <method>@default  (with --kernels-ab) the method with transformers' default linear kernels and torch's
+                    SDPA attention instead of the ones chosen on this machine (rest_core.kernels,
+                    rest_core.attention); its own stores and cost model
 
 Each method with the model source (rest_full, rest_model) has its own in-memory table of
 the model's predictions (`RecycleStore`), empty at first, that learns from every forward
@@ -45,6 +46,7 @@ from datastores import (
 from rest_core.compare import cut_at_eos
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, DecodeResult, RestDecoder, check_prompt, plain_generate
+from rest_core.kv_cache import new_cache
 from rest_core.model import LoadedModel
 from rest_core.traces.recorder import TraceRecorder
 
@@ -56,7 +58,7 @@ TRACED = "rest_static_traced"
 SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "rest_answers")
 REST_METHODS = ("rest_static", "rest_full", "rest_model", "rest_answers", TRACED)
 MODEL_SOURCE_METHODS = ("rest_full", "rest_model")  # each gets its own table of the model's predictions
-DEFAULT_KERNELS = "@default"  # method suffix: run with transformers' default linear kernels
+DEFAULT_KERNELS = "@default"  # method suffix: run with transformers' default linear kernels and SDPA
 
 
 def rest_full_stores(lm: LoadedModel, suite: str) -> tuple[list[Store], str]:
@@ -77,17 +79,17 @@ def base_method(method: str) -> str:
 
 @contextmanager
 def kernel_variant(lm: LoadedModel, method: str) -> Iterator[None]:
-    """Run `method` with the linear kernels it names: the default ones for '<m>@default', else the tuned ones."""
-    choice = lm.kernels
-    if choice is None:
-        yield
-        return
-    was = choice.enabled
-    choice.enabled = not method.endswith(DEFAULT_KERNELS)
+    """Run `method` with the kernels it names: transformers' linear layers and torch's SDPA attention for
+    '<m>@default', else the ones chosen on this machine."""
+    choices = [c for c in (lm.kernels, lm.attention) if c is not None]
+    was = [c.enabled for c in choices]
+    for c in choices:
+        c.enabled = not method.endswith(DEFAULT_KERNELS)
     try:
         yield
     finally:
-        choice.enabled = was
+        for c, on in zip(choices, was):
+            c.enabled = on
 
 
 class ForwardLog:
@@ -275,7 +277,8 @@ class MethodRunner:
         kw = self._hf_kwargs(method, room, cfg)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.lm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+            out = self.lm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                         past_key_values=new_cache(self.lm.model), **kw)
         self._sync()
         wall = time.perf_counter() - t0
         new = [int(t) for t in out[0, len(prompt):].tolist()]

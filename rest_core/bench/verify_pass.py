@@ -1,6 +1,6 @@
 """`python -m rest_core bench --suite verify`: what one verify pass over q tree nodes costs, and where it goes.
 
-For q = 1..64 tokens after a prefix of 256 and of 1024 tokens (a 4D float tree mask, a DynamicCache,
+For q = 1..64 tokens after a prefix of 256 and of 1024 tokens (a 4D float tree mask, the decoder's cache,
 as `rest_core.verify.tree_forward` runs it) this times one forward pass with the linear kernels
 chosen on this machine (`rest_core.kernels`) and with transformers' default kernels, interleaved
 pass by pass (the order alternating) so machine noise hits both alike: medians over rounds with the
@@ -19,11 +19,11 @@ from typing import Optional
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import DynamicCache
 
 from rest_core import native
 from rest_core.bench.report import cpu_line, loadavg, machine_info
 from rest_core.cost import GRID
+from rest_core.kv_cache import new_cache
 from rest_core.model import LoadedModel
 
 PREFIXES = (256, 1024)
@@ -31,7 +31,7 @@ PROFILE_Q = (1, 8, 16, 64)
 MODES = ("tuned", "default")  # the kernels chosen on this machine; transformers' own
 GROUPS = {"linear": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise",
                      native.PROFILE_NAME),
-          "attention": ("scaled_dot_product", "aten::_scaled_dot_product"),
+          "attention": ("scaled_dot_product", "aten::_scaled_dot_product", native.ATTENTION_PROFILE_NAME),
           "cache concatenation": ("aten::cat",)}
 
 
@@ -43,7 +43,7 @@ class PrefixPass:
         self.lm, self.prefix_len = lm, prefix_len
         self.gen = torch.Generator().manual_seed(prefix_len)
         self.vocab = lm.vocab_size
-        self.cache = DynamicCache(config=lm.model.config)
+        self.cache = new_cache(lm.model)
         self.logits: Optional[torch.Tensor] = None
         ids = torch.randint(0, self.vocab, (1, prefix_len), generator=self.gen).to(lm.device)
         lm.forward(input_ids=ids, cache=self.cache, logits_to_keep=1)
@@ -73,6 +73,8 @@ def _sync(lm: LoadedModel) -> None:
 def _set_mode(lm: LoadedModel, mode: str) -> None:
     if lm.kernels is not None:
         lm.kernels.enabled = mode == "tuned"
+    if lm.attention is not None:
+        lm.attention.enabled = mode == "tuned"
 
 
 def _stats(xs: Sequence[float]) -> dict:

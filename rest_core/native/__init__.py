@@ -4,12 +4,14 @@
 16-column panels, so a verify pass over a handful of tree nodes streams each weight from memory once, as a
 one-token step does, and uses every loaded weight for every row (up to 16 rows at a time with AVX-512, 6
 with AVX2).  `row_top_k.cpp` finds each logits row's k largest ids in one pass on the calling thread (the
-model's choices every step hands to the stores that learn from it).  Each is compiled with the machine's
+model's choices every step hands to the stores that learn from it).  `attention.cpp` computes attention for a
+few query rows over the key/value cache (grouped-query heads, a tree mask), reading the cache where it lies.
+Each is compiled with the machine's
 C++ compiler for this very CPU (-march=native) into the cache (`<cache>/native/`, one file per machine key
 and source; the linear kernel linked to the OpenMP runtime torch already uses) and loaded with ctypes: no
 build step at install time, nothing to download.  Where there is no compiler, the build fails, or
-REST_LAB_NATIVE=0, `library()` / `top_k_library()` return None and `unavailable()` says why for the linear
-kernel; the callers then keep their torch paths.
+REST_LAB_NATIVE=0, `library()` / `top_k_library()` / `attention_library()` return None and `unavailable()`
+says why for the linear kernel; the callers then keep their torch paths.
 """
 from __future__ import annotations
 
@@ -30,16 +32,20 @@ from rest_core.machine import machine_key
 
 SOURCE = Path(__file__).with_name("blocked_linear.cpp")
 TOP_K_SOURCE = Path(__file__).with_name("row_top_k.cpp")
+ATTENTION_SOURCE = Path(__file__).with_name("attention.cpp")
 MAX_TOP_K = 64  # the largest k row_top_k.cpp takes
 ENV = "REST_LAB_NATIVE"  # "0" / "off": never build or load the kernel
 PANEL = 16  # output columns per panel (the kernel's NB; checked against the library at load)
 PROFILE_NAME = "rest_lab::blocked_linear"  # what a torch profile calls the kernel
+ATTENTION_PROFILE_NAME = "rest_lab::attention"
 
 _lib: Optional[ctypes.CDLL] = None
 _why: Optional[str] = None
 _tried = False
 _top_k_lib: Optional[ctypes.CDLL] = None
 _top_k_tried = False
+_attention_lib: Optional[ctypes.CDLL] = None
+_attention_tried = False
 
 
 def unavailable() -> Optional[str]:
@@ -124,6 +130,68 @@ def row_top_k(x: torch.Tensor, k: int) -> Optional[np.ndarray]:
     if lib.rest_lab_row_top_k(x.data_ptr(), x.shape[0], x.shape[1], k, out.ctypes.data):
         return None
     return out
+
+
+def attention_library() -> Optional[ctypes.CDLL]:
+    """The loaded attention library, built first if this machine has none yet; None when it cannot be had."""
+    global _attention_lib, _attention_tried
+    if _attention_tried:
+        return _attention_lib
+    _attention_tried = True
+    if _switched_off():
+        return None
+    try:
+        lib = ctypes.CDLL(str(_built(ATTENTION_SOURCE, "attention", openmp=True)))
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.rest_lab_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr,
+                                           i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        lib.rest_lab_attention.restype = ctypes.c_int
+        _attention_lib = lib
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass  # the caller keeps torch's attention
+    return _attention_lib
+
+
+_Strides3 = ctypes.c_int64 * 3
+_Strides2 = ctypes.c_int64 * 2
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Optional[torch.Tensor],
+              scale: float) -> Optional[torch.Tensor]:
+    """softmax(q k^T * scale + mask) v for grouped-query heads with `attention.cpp`: query (B, H, Q, D), key and
+    value (B, KVH, T, D) (any strides with D contiguous: views of a larger cache are read in place), mask
+    None (every key visible to every query) or (B | 1, 1, Q, T) float32 (added) or bool (True: visible).
+    Returns (B, Q, H, D) contiguous, as transformers' attention functions do, or None when the library cannot
+    be had or does not take these inputs (the caller then uses torch's attention)."""
+    lib = attention_library()
+    if lib is None or query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    b, h, q, d = query.shape
+    kvh, t = key.shape[1], key.shape[2]
+    if (tuple(key.shape) != (b, kvh, t, d) or value.shape != key.shape or kvh == 0 or h % kvh
+            or any(x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(3) != 1
+                   for x in (query, key, value))):
+        return None
+    kind, mask_ptr, mask_strides = 0, None, _Strides2(0, 0)
+    if mask is not None:
+        if (mask.dim() != 4 or mask.device.type != "cpu" or mask.shape[0] not in (1, b) or mask.shape[1] != 1
+                or tuple(mask.shape[2:]) != (q, t) or mask.stride(3) != 1):
+            return None
+        kind = 1 if mask.dtype == torch.float32 else 2 if mask.dtype == torch.bool else 0
+        if kind == 0:
+            return None
+        mask_ptr = mask.data_ptr()
+        mask_strides = _Strides2(mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(2))
+    out = torch.empty((b, q, h, d), dtype=torch.float32)
+    args = (query.data_ptr(), _Strides3(*query.stride()[:3]), key.data_ptr(), _Strides3(*key.stride()[:3]),
+            value.data_ptr(), _Strides3(*value.stride()[:3]), mask_ptr, mask_strides, kind, out.data_ptr(),
+            b, h, kvh, q, t, d, scale, torch.get_num_threads())
+    if torch.autograd._profiler_enabled():  # named in a torch profile like any operator
+        with torch.profiler.record_function(ATTENTION_PROFILE_NAME):
+            refused = lib.rest_lab_attention(*args)
+    else:
+        refused = lib.rest_lab_attention(*args)
+    return None if refused else out
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -1,0 +1,185 @@
+"""The attention kernel per machine: REST Lab's own (`rest_core/native/attention.cpp`) or torch's SDPA, measured.
+
+Every pass of decoding attends a few query rows (one per head for a one-token step, a draft tree's nodes for a
+verify pass) to the whole key/value cache.  torch's CPU SDPA kernel is built for long query blocks; for a few
+rows much of its time goes into arranging the work, and it reads a cache that is a view of a larger buffer
+(`rest_core.kv_cache`) by copying it first.  The native kernel reads the cache where it lies and spreads the
+keys over the threads.  Which is faster depends on the CPU, the head shape, the number of rows and the length
+of the cache, so it is measured here:
+
+`tune_attention(model, name)` times both on the model's head shape (query heads, key/value heads, head size)
+for every row count of the cost curve's grid (`rest_core.kernels.ROWS`) over caches of 256 and 1,024
+positions, each call on its own set of keys and values per layer (as a pass reads one layer's cache after
+another, from memory), the kernels taking turns, fastest of several rounds.  A row count uses the native kernel
+where it was faster over both lengths together by MARGIN; a count between two measured ones where both of them
+did.  The choice is cached per head shape and machine key (`rest_core.machine.machine_key`) and measured again
+when the key or the kernel's source changes, or with REST_LAB_RECALIBRATE=1.  Plain one-token decoding uses the
+choice for one row: the plain baseline gets what applies to it.  REST_LAB_KERNELS=default (or REST_LAB_NATIVE=0)
+keeps torch's attention everywhere; `AttentionChoice.enabled` switches it off for side-by-side runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from datastores.common import cache_dir, write_atomic
+from rest_core import native
+from rest_core.kernels import ROWS, kernels_mode, row_neighbours
+from rest_core.machine import machine_key
+
+LENGTHS = (256, 1024)  # cache lengths timed
+ROUNDS = 5  # timing rounds after a warm-up round
+MARGIN = 0.05  # the native kernel must be this much faster than SDPA
+VERSION = 1
+KERNELS = ("sdpa", "native")
+
+HeadShape = tuple[int, int, int]  # (query heads, key/value heads, head size)
+
+
+@dataclass
+class AttentionChoice:
+    """For one head shape: the row counts (0..MAX_ROWS) that run the native kernel, and the timings behind it."""
+
+    shape: HeadShape
+    timings_ms: dict[int, dict[int, dict[str, float]]] = field(default_factory=dict)  # length -> rows -> kernel
+    native_rows: frozenset[int] = frozenset()
+    measured_s: float = 0.0
+    source: str = "measured"
+    enabled: bool = True
+
+    def describe(self) -> str:
+        rows = sorted(self.native_rows)
+        if not rows:
+            return f"torch SDPA for every row count (heads {self.shape[0]}/{self.shape[1]}, size {self.shape[2]})"
+        runs: list[list[int]] = []
+        for r in rows:
+            if runs and r == runs[-1][1] + 1:
+                runs[-1][1] = r
+            else:
+                runs.append([r, r])
+        text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+        return f"native kernel for rows {text}, torch SDPA otherwise"
+
+
+_choices: dict[HeadShape, AttentionChoice] = {}
+
+
+def native_rows_for(shape: HeadShape) -> frozenset[int]:
+    """The row counts that use the native kernel for this head shape (empty when none was chosen or it is off)."""
+    choice = _choices.get(shape)
+    return choice.native_rows if choice is not None and choice.enabled else frozenset()
+
+
+def head_shape(model: nn.Module) -> Optional[HeadShape]:
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        return None
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    size = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    return (heads, int(kv), int(size)) if size else None
+
+
+def tune_attention(model: nn.Module, cache: bool = True) -> Optional[AttentionChoice]:
+    """Measure (or read) which attention kernel each row count uses for this CPU float32 model's head shape, and
+    put the choice in force for every layer of that shape.  None where nothing is chosen: REST_LAB_KERNELS=default,
+    a GPU or half-precision model, an unusual head shape, or no native kernel on this machine."""
+    shape = head_shape(model)
+    param = next(model.parameters(), None)
+    if (kernels_mode() == "default" or shape is None or param is None or param.device.type != "cpu"
+            or param.dtype != torch.float32 or native.attention_library() is None):
+        return None
+    path = cache_dir() / "kernels" / f"attention-{shape[0]}x{shape[1]}x{shape[2]}-{machine_key()}.json"
+    choice = _read(path, shape) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
+    if choice is None:
+        choice = measure(shape)
+        if cache:
+            _write(path, choice)
+    _choices[shape] = choice
+    return choice
+
+
+@torch.inference_mode()
+def measure(shape: HeadShape, layers: int = 24, lengths: tuple[int, ...] = LENGTHS, rows: tuple[int, ...] = ROWS,
+            rounds: int = ROUNDS) -> AttentionChoice:
+    """Time both kernels on `layers` sets of keys and values per cache length and row count and choose."""
+    heads, kv_heads, size = shape
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    scale = size ** -0.5
+    timings: dict[int, dict[int, dict[str, float]]] = {}
+    for length in lengths:
+        timings[length] = {}
+        # keys and values as views of a buffer with room to spare, as the decoder's cache hands them
+        buffers = [torch.randn(2, 1, kv_heads, 2 * (length + max(rows)), size, generator=gen) for _ in range(layers)]
+        for r in rows:
+            t = length + r
+            kv = [buf[:, :, :, :t] for buf in buffers]
+            queries = [torch.randn(1, r, heads, size, generator=gen).transpose(1, 2) for _ in range(layers)]
+            mask = None
+            if r > 1:  # a chain of draft nodes: the prefix and the nodes before each
+                allowed = torch.ones(r, t, dtype=torch.bool)
+                allowed[:, length:] = torch.tril(torch.ones(r, r, dtype=torch.bool))
+                mask = torch.zeros(1, 1, r, t).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            best = {k: float("inf") for k in KERNELS}
+            for rnd in range(rounds + 1):
+                for name in (KERNELS if rnd % 2 == 0 else KERNELS[::-1]):
+                    fn = native.attention if name == "native" else _sdpa
+                    t0 = time.perf_counter()
+                    for (k, v), q in zip(kv, queries):
+                        if fn(q, k, v, mask, scale) is None:
+                            raise RuntimeError(f"the native attention kernel refused heads {shape}")
+                    if rnd:
+                        best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
+            timings[length][r] = best
+    choice = AttentionChoice(shape, timings, _native_rows(timings), time.perf_counter() - start)
+    return choice
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float):
+    groups = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    return out.transpose(1, 2).contiguous()
+
+
+def _native_rows(timings: dict[int, dict[int, dict[str, float]]]) -> frozenset[int]:
+    measured = sorted(next(iter(timings.values())))
+    total = {k: {r: sum(t[r][k] for t in timings.values()) for r in measured} for k in KERNELS}
+    wins = {r for r in measured if total["native"][r] < (1 - MARGIN) * total["sdpa"][r]}
+    return frozenset(r for r, (lo, hi) in enumerate(row_neighbours(measured)) if r and lo in wins and hi in wins)
+
+
+def _write(path: Path, choice: AttentionChoice) -> None:
+    data = {"version": VERSION, "native": native.source_tag(native.ATTENTION_SOURCE), "shape": list(choice.shape),
+            "rows": list(ROWS), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "measured_s": round(choice.measured_s, 3),
+            "timings_ms": {str(n): {str(r): {k: round(ms, 5) for k, ms in t.items()} for r, t in table.items()}
+                           for n, table in choice.timings_ms.items()}}
+    try:
+        write_atomic(path, json.dumps(data).encode("utf-8"))
+    except OSError:  # a cache that cannot be written is skipped: the choice holds for this process
+        pass
+
+
+def _read(path: Path, shape: HeadShape) -> Optional[AttentionChoice]:
+    try:
+        data = json.loads(path.read_text())
+        if (data.get("version") != VERSION or data.get("native") != native.source_tag(native.ATTENTION_SOURCE)
+                or data.get("shape") != list(shape) or data.get("rows") != list(ROWS)):
+            return None
+        timings = {int(n): {int(r): {k: float(t[k]) for k in KERNELS} for r, t in table.items()}
+                   for n, table in data["timings_ms"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not timings or any(set(t) != set(ROWS) for t in timings.values()):
+        return None
+    return AttentionChoice(shape, timings, _native_rows(timings), source=str(path))
+
