@@ -10,9 +10,10 @@ of the cache, so it is measured here:
 `tune_attention(model, name)` times both on the model's head shape (query heads, key/value heads, head size)
 for every row count of the cost curve's grid (`rest_core.kernels.ROWS`) over caches of 256 and 1,024
 positions, each call on its own set of keys and values per layer (as a pass reads one layer's cache after
-another, from memory), the kernels taking turns, fastest of several rounds.  A row count uses the native kernel
-where it was faster over both lengths together by MARGIN; a count between two measured ones where both of them
-did.  The choice is cached per head shape and machine key (`rest_core.machine.machine_key`) and measured again
+another, from memory), the kernels taking turns, fastest of several rounds.  A pass uses the native kernel where
+it was faster by MARGIN at its row count and the measured cache length nearest its own (on a log scale: up to
+512 positions the 256 figures, beyond the 1,024 ones); a row count between two measured ones where both of them
+were.  The choice is cached per head shape and machine key (`rest_core.machine.machine_key`) and measured again
 when the key or the kernel's source changes, or with REST_LAB_RECALIBRATE=1.  Plain one-token decoding uses the
 choice for one row: the plain baseline gets what applies to it.  REST_LAB_KERNELS=default (or REST_LAB_NATIVE=0)
 keeps torch's attention everywhere; `AttentionChoice.enabled` switches it off for side-by-side runs.
@@ -20,6 +21,7 @@ keeps torch's attention everywhere; `AttentionChoice.enabled` switches it off fo
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -38,7 +40,7 @@ from rest_core.machine import machine_key
 LENGTHS = (256, 1024)  # cache lengths timed
 ROUNDS = 5  # timing rounds after a warm-up round
 MARGIN = 0.05  # the native kernel must be this much faster than SDPA
-VERSION = 1
+VERSION = 2  # 2: the choice per cache length
 KERNELS = ("sdpa", "native")
 
 HeadShape = tuple[int, int, int]  # (query heads, key/value heads, head size)
@@ -46,36 +48,34 @@ HeadShape = tuple[int, int, int]  # (query heads, key/value heads, head size)
 
 @dataclass
 class AttentionChoice:
-    """For one head shape: the row counts (0..MAX_ROWS) that run the native kernel, and the timings behind it."""
+    """For one head shape: per measured cache length, the row counts (1..MAX_ROWS) that run the native kernel,
+    and the timings behind it."""
 
     shape: HeadShape
     timings_ms: dict[int, dict[int, dict[str, float]]] = field(default_factory=dict)  # length -> rows -> kernel
-    native_rows: frozenset[int] = frozenset()
+    native_rows: dict[int, frozenset[int]] = field(default_factory=dict)  # length -> rows
     measured_s: float = 0.0
     source: str = "measured"
     enabled: bool = True
 
     def describe(self) -> str:
-        rows = sorted(self.native_rows)
-        if not rows:
+        parts = [f"{_ranges(sorted(rows))} rows at {n} positions"
+                 for n, rows in sorted(self.native_rows.items()) if rows]
+        if not parts:
             return f"torch SDPA for every row count (heads {self.shape[0]}/{self.shape[1]}, size {self.shape[2]})"
-        runs: list[list[int]] = []
-        for r in rows:
-            if runs and r == runs[-1][1] + 1:
-                runs[-1][1] = r
-            else:
-                runs.append([r, r])
-        text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-        return f"native kernel for rows {text}, torch SDPA otherwise"
+        return f"native kernel for {'; '.join(parts)}; torch SDPA otherwise"
 
 
 _choices: dict[HeadShape, AttentionChoice] = {}
 
 
-def native_rows_for(shape: HeadShape) -> frozenset[int]:
-    """The row counts that use the native kernel for this head shape (empty when none was chosen or it is off)."""
+def uses_native(shape: HeadShape, rows: int, length: int) -> bool:
+    """Whether a pass of `rows` query rows over `length` cached positions runs the native kernel."""
     choice = _choices.get(shape)
-    return choice.native_rows if choice is not None and choice.enabled else frozenset()
+    if choice is None or not choice.enabled or not choice.native_rows:
+        return False
+    nearest = min(choice.native_rows, key=lambda n: abs(math.log(max(length, 1) / n)))
+    return rows in choice.native_rows[nearest]
 
 
 def head_shape(model: nn.Module) -> Optional[HeadShape]:
@@ -150,11 +150,26 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
     return out.transpose(1, 2).contiguous()
 
 
-def _native_rows(timings: dict[int, dict[int, dict[str, float]]]) -> frozenset[int]:
-    measured = sorted(next(iter(timings.values())))
-    total = {k: {r: sum(t[r][k] for t in timings.values()) for r in measured} for k in KERNELS}
-    wins = {r for r in measured if total["native"][r] < (1 - MARGIN) * total["sdpa"][r]}
-    return frozenset(r for r, (lo, hi) in enumerate(row_neighbours(measured)) if r and lo in wins and hi in wins)
+def _native_rows(timings: dict[int, dict[int, dict[str, float]]]) -> dict[int, frozenset[int]]:
+    """Per cache length, the row counts the native kernel was faster at by MARGIN (between two measured counts:
+    where it was at both)."""
+    out = {}
+    for length, table in timings.items():
+        measured = sorted(table)
+        wins = {r for r in measured if table[r]["native"] < (1 - MARGIN) * table[r]["sdpa"]}
+        out[length] = frozenset(r for r, (lo, hi) in enumerate(row_neighbours(measured))
+                                if r and lo in wins and hi in wins)
+    return out
+
+
+def _ranges(rows: list[int]) -> str:
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _write(path: Path, choice: AttentionChoice) -> None:

@@ -158,7 +158,7 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     causal = q_len > 1 and attention_mask is None and (is_causal if is_causal is not None
                                                        else getattr(module, "is_causal", True))
     if (not causal and not dropout and query.device.type == "cpu"
-            and q_len in attention.native_rows_for((query.shape[1], key.shape[1], query.shape[3]))
+            and attention.uses_native((query.shape[1], key.shape[1], query.shape[3]), q_len, kv_len)
             and all(kwargs.get(k) is None for k in ("position_bias", "softcap", "sliding_window", "s_aux"))):
         out = native.attention(query, key, value, attention_mask,
                                scaling if scaling is not None else query.shape[-1] ** -0.5)

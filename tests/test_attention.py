@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from datastores import assemble_stores
 from rest_core import attention, native
-from rest_core.attention import AttentionChoice, measure, native_rows_for, tune_attention
+from rest_core.attention import AttentionChoice, measure, tune_attention, uses_native
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
 from rest_core.kernels import ROWS
 from rest_core.model import ATTENTION, gqa_sdpa_attention
@@ -101,11 +101,20 @@ def test_inputs_it_does_not_take_are_handed_back():
 
 
 def test_the_choice_takes_native_only_where_both_neighbours_were_faster():
-    timings = {n: {r: {"sdpa": 1.0, "native": 0.5 if r <= 8 else 2.0} for r in ROWS} for n in (256, 1024)}
+    timings = {256: {r: {"sdpa": 1.0, "native": 0.97 if r == 1 else 0.5 if r <= 8 else 2.0} for r in ROWS},
+               1024: {r: {"sdpa": 1.0, "native": 0.5} for r in ROWS}}
     rows = attention._native_rows(timings)
-    assert rows == frozenset(range(1, 9))  # 9..11 lie between 8 (faster) and 12 (slower): SDPA
-    tie = {n: {r: {"sdpa": 1.0, "native": 0.97} for r in ROWS} for n in (256, 1024)}
-    assert attention._native_rows(tie) == frozenset()  # within the margin: SDPA stays
+    # at 256 positions: 1 row within the margin (SDPA), 9..11 between 8 (faster) and 12 (slower): SDPA too
+    assert rows == {256: frozenset(range(2, 9)), 1024: frozenset(range(1, 65))}
+    shape = (4, 2, 16)
+    attention._choices[shape] = AttentionChoice(shape, timings, rows)
+    try:
+        assert not uses_native(shape, 1, 300) and uses_native(shape, 1, 600) and uses_native(shape, 1, 5000)
+        assert uses_native(shape, 8, 40) and not uses_native(shape, 10, 40) and uses_native(shape, 10, 2000)
+        assert not uses_native(shape, 65, 2000)  # beyond the grid (a prefill): SDPA
+        assert not uses_native((4, 4, 16), 8, 300)  # a head shape not measured
+    finally:
+        del attention._choices[shape]
 
 
 @needs_kernel
@@ -121,9 +130,11 @@ def test_the_measured_choice_is_cached_per_shape_and_read_back(tmp_path, monkeyp
     assert len(files) == 1 and json.loads(files[0].read_text())["shape"] == [4, 2, 16]
     again = tune_attention(lm.model)
     assert again.source == str(files[0]) and again.native_rows == first.native_rows
-    assert native_rows_for((4, 2, 16)) == first.native_rows
+    assert set(first.native_rows) == {64}
+    wins = first.native_rows[64]
+    assert all(uses_native((4, 2, 16), r, 64) == (r in wins) for r in range(1, 65))
     again.enabled = False
-    assert native_rows_for((4, 2, 16)) == frozenset()
+    assert not any(uses_native((4, 2, 16), r, 64) for r in range(1, 65))
     monkeypatch.setenv("REST_LAB_KERNELS", "default")
     assert tune_attention(lm.model) is None
 
@@ -148,7 +159,8 @@ def test_the_model_runs_the_native_kernel_where_chosen_and_decodes_the_same(monk
     monkeypatch.setattr(attention, "_choices", {})
     want = plain_generate(lm, prompt, cfg).tokens
     assert calls == []
-    monkeypatch.setattr(attention, "_choices", {shape: AttentionChoice(shape, native_rows=frozenset(range(1, 65)))})
+    everywhere = {256: frozenset(range(1, 65))}
+    monkeypatch.setattr(attention, "_choices", {shape: AttentionChoice(shape, native_rows=everywhere)})
     assert plain_generate(lm, prompt, cfg).tokens == want
     assert calls and set(calls) == {1}  # the one-token steps; the prefill (causal, no mask) stays with SDPA
     calls.clear()
@@ -160,7 +172,8 @@ def test_the_model_runs_the_native_kernel_where_chosen_and_decodes_the_same(monk
 @needs_kernel
 def test_the_attention_function_keeps_sdpa_for_what_the_kernel_does_not_do(monkeypatch):
     shape = (4, 2, 64)
-    monkeypatch.setattr(attention, "_choices", {shape: AttentionChoice(shape, native_rows=frozenset(range(1, 65)))})
+    everywhere = {256: frozenset(range(1, 65))}
+    monkeypatch.setattr(attention, "_choices", {shape: AttentionChoice(shape, native_rows=everywhere)})
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
     q, k, v = _inputs(1, 4, 2, 4, 30, 64)

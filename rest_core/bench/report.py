@@ -44,6 +44,8 @@ def machine_info(lm: LoadedModel | type[_CpuOnly]) -> dict:
             "model_source": lm.source, "loadavg_start": loadavg()}
     kernels = getattr(lm, "kernels", None)
     info["kernels"] = kernels.describe() if kernels is not None else "transformers' default linear kernels"
+    attn = getattr(lm, "attention", None)
+    info["attention"] = attn.describe() if attn is not None else "torch SDPA"
     if lm.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(lm.device)
     return info
@@ -52,7 +54,7 @@ def machine_info(lm: LoadedModel | type[_CpuOnly]) -> dict:
 def machine_info_cpu() -> dict:
     """machine_info without a model: the CPU, as store lookups run there."""
     info = machine_info(_CpuOnly)
-    for k in ("device", "dtype", "model", "model_source", "kernels"):
+    for k in ("device", "dtype", "model", "model_source", "kernels", "attention"):
         info.pop(k, None)
     return info
 
@@ -212,7 +214,8 @@ def markdown(results: dict) -> str:
               f"{mc['torch_threads']}, device {mc['device']}{gpu}, {mc['dtype']}; torch {mc['torch']}, transformers "
               f"{mc['transformers']}; model {mc['model']}; load average {mc.get('loadavg_start')} at start, "
               f"{mc.get('loadavg_end')} at end."), "",
-             f"Linear kernels: {mc.get('kernels', 'not recorded')}.", "",
+             f"Linear kernels: {mc.get('kernels', 'not recorded')}. Attention: {mc.get('attention', 'torch SDPA')}.",
+             "",
              f"Command: `{results.get('command') or '(library call)'}`", "",
              *_table(summ), "", *_source_table(summ.get("by_source")),
              *_per_prompt_table(summ.get("per_prompt"), rounds),

@@ -160,7 +160,8 @@ def verify_markdown(results: dict) -> str:
     mc = results["machine"]
     cpu = cpu_line(mc) if "cpu" in mc else "?"
     lines = [f"# Verify pass cost: {cpu}, torch threads {mc.get('torch_threads', '?')}", "",
-             f"Kernels: {results['kernels']}; load average {mc.get('loadavg_start')} at start, "
+             f"Kernels: {results['kernels']}; attention (tuned): {mc.get('attention', 'torch SDPA')}; "
+             f"load average {mc.get('loadavg_start')} at start, "
              f"{mc.get('loadavg_end')} at end.", "", f"Command: `{results['command']}`", ""]
     for p, by_mode in results["curves"].items():
         modes = list(by_mode)
