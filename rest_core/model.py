@@ -80,12 +80,17 @@ class LoadedModel:
                 ids.update(int(v) for v in value)
         return ids
 
-    def forward(self, cache: DynamicCache, **inputs: Any) -> CausalLMOutputWithPast:
-        """One model call that appends to `cache` (named `cache` in newer transformers)."""
+    @property
+    def cache_kw(self) -> str:
+        """What the model's forward (and generate()) calls the cache: `cache` in newer transformers."""
         if self._cache_kw is None:
             params = inspect.signature(self.model.forward).parameters
             self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        return self.model(**inputs, **{self._cache_kw: cache}, use_cache=True)
+        return self._cache_kw
+
+    def forward(self, cache: DynamicCache, **inputs: Any) -> CausalLMOutputWithPast:
+        """One model call that appends to `cache`."""
+        return self.model(**inputs, **{self.cache_kw: cache}, use_cache=True)
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (empty without a tokenizer)."""

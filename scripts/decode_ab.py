@@ -62,7 +62,7 @@ def run(lm, decoder: RestDecoder, method: str, setup: str, prompt: list[int], cf
         decode_mod.new_cache = new_cache
         if lm.attention is not None:
             lm.attention.enabled = True
-    return (res.wall_s - res.prefill_s) / res.steps * 1e3, res.tokens
+    return (res.wall_s - res.prefill_s) / len(res.tokens) * 1e3, res.tokens
 
 
 @torch.inference_mode()

@@ -115,7 +115,7 @@ def test_generate_gives_the_same_tokens_with_the_growing_cache(tiny_lm, lookup):
     with torch.inference_mode():
         want = model.generate(ids, **kw)
         cache = new_cache(model)
-        got = model.generate(ids, past_key_values=cache, **kw)
+        got = model.generate(ids, **{tiny_lm.cache_kw: cache}, **kw)
     assert torch.equal(got, want)
     assert all(isinstance(layer, GrowingLayer) for layer in cache.layers)
     assert cache.get_seq_length() >= got.shape[1] - 1  # generate() wrote into the cache it was given

@@ -278,7 +278,7 @@ class MethodRunner:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.lm.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                         past_key_values=new_cache(self.lm.model), **kw)
+                                         **{self.lm.cache_kw: new_cache(self.lm.model)}, **kw)
         self._sync()
         wall = time.perf_counter() - t0
         new = [int(t) for t in out[0, len(prompt):].tolist()]
