@@ -80,8 +80,7 @@ def test_without_the_native_top_k_the_choices_are_the_same(monkeypatch, tmp_path
     from rest_core import native
     logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(3))
     with_native = top_successors(logits, 8)
-    monkeypatch.setattr(native, "_top_k_tried", False)  # as in a new process, on a machine where it cannot be had
-    monkeypatch.setattr(native, "_top_k_lib", None)
+    monkeypatch.setattr(native, "_optional", {})  # as in a new process, on a machine where it cannot be had
     if why == "switched off":
         monkeypatch.setenv("REST_LAB_NATIVE", "0")
     else:  # an empty cache and no compiler

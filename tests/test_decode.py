@@ -16,10 +16,9 @@ from rest_core.cost import GRID, CostModel
 from rest_core.decode import DecodeConfig, PromptError, RestDecoder, plain_generate
 from rest_core.retrieve import RetrieveSettings
 from rest_core.sampling import Sampling, draw_token, next_token_probs
-from rest_core.tree import build_draft_tree, tree_mask, tree_positions
 
 from conftest import make_tiny_lm, script
-from oracle import BruteForceStore, OracleLookup
+from oracle import BruteForceStore
 
 PROMPTS = [[5, 9, 69_999, 3], [65_536, 65_537, 12], [2], list(range(100, 140))]
 
@@ -84,31 +83,6 @@ def test_trace_reports_exactly_what_the_model_saw(tiny_lm):
         assert tr.model_choices[tr.accepted_nodes[-1]] == tr.bonus_token
         assert set(tr.timings_ms) == {"retrieve", "tree", "forward", "verify", "commit"}
     assert sum(tr.draft_size > 0 for tr in traces) > 0
-
-
-def test_kv_compaction_equals_recomputation(tiny_lm):
-    """Verify a branching tree, keep a path that is not the first nodes, compare with a fresh prefill."""
-    model = tiny_lm.model
-    prefix = [7, 8, 9, 10, 11]
-    rows = np.array([[20, 21, 22], [30, 31, 32], [30, 33, 34], [20, 23, -1]])
-    tree = build_draft_tree(12, [OracleLookup("static", 2, 4, rows)], budget=20)
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        tiny_lm.forward(input_ids=torch.tensor([prefix]), cache=cache)
-        tiny_lm.forward(input_ids=torch.from_numpy(tree.tokens)[None],
-                        position_ids=tree_positions(tree, len(prefix), torch.device("cpu")),
-                        attention_mask=tree_mask(tree, len(prefix), torch.float32, torch.device("cpu")), cache=cache)
-        n30 = tree.children[0][30]
-        n33 = tree.children[n30][33]
-        path = [0, n30, n33]
-        assert path != list(range(3))
-        compact_cache(cache, len(prefix), path)
-        fresh = DynamicCache(config=model.config)
-        tiny_lm.forward(input_ids=torch.tensor([prefix + [12, 30, 33]]), cache=fresh)
-    assert cache.get_seq_length() == fresh.get_seq_length() == len(prefix) + 3
-    for got, want in zip(cache.layers, fresh.layers):
-        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-4)
 
 
 def test_kv_compaction_of_a_path_kept_whole_leaves_the_cache_as_it_is(tiny_lm):

@@ -42,10 +42,7 @@ ATTENTION_PROFILE_NAME = "rest_lab::attention"
 _lib: Optional[ctypes.CDLL] = None
 _why: Optional[str] = None
 _tried = False
-_top_k_lib: Optional[ctypes.CDLL] = None
-_top_k_tried = False
-_attention_lib: Optional[ctypes.CDLL] = None
-_attention_tried = False
+_optional: dict[str, Optional[ctypes.CDLL]] = {}  # the top-k and attention libraries, by stem, once tried
 
 
 def unavailable() -> Optional[str]:
@@ -98,23 +95,41 @@ def _switched_off() -> bool:
     return (os.environ.get(ENV) or "").strip().lower() in ("0", "off", "no", "false")
 
 
+def _optional_library(source: Path, stem: str, openmp: bool, declare) -> Optional[ctypes.CDLL]:
+    """A library that only makes something faster: built at first use, loaded and declared once; None when it
+    cannot be had (the caller keeps its torch path)."""
+    if stem not in _optional:
+        lib = None
+        if not _switched_off():
+            try:
+                lib = ctypes.CDLL(str(_built(source, stem, openmp)))
+                declare(lib)
+            except (OSError, subprocess.SubprocessError, ValueError):
+                lib = None
+        _optional[stem] = lib
+    return _optional[stem]
+
+
+def _declare_top_k(lib: ctypes.CDLL) -> None:
+    lib.rest_lab_row_top_k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.rest_lab_row_top_k.restype = ctypes.c_int
+
+
+def _declare_attention(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rest_lab_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr,
+                                       i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.rest_lab_attention.restype = ctypes.c_int
+
+
 def top_k_library() -> Optional[ctypes.CDLL]:
     """The loaded top-k library, built first if this machine has none yet; None when it cannot be had."""
-    global _top_k_lib, _top_k_tried
-    if _top_k_tried:
-        return _top_k_lib
-    _top_k_tried = True
-    if _switched_off():
-        return None
-    try:
-        lib = ctypes.CDLL(str(_built(TOP_K_SOURCE, "row-top-k", openmp=False)))
-        lib.rest_lab_row_top_k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                           ctypes.c_void_p]
-        lib.rest_lab_row_top_k.restype = ctypes.c_int
-        _top_k_lib = lib
-    except (OSError, subprocess.SubprocessError, ValueError):
-        pass  # the caller keeps torch's top-k
-    return _top_k_lib
+    return _optional_library(TOP_K_SOURCE, "row-top-k", False, _declare_top_k)
+
+
+def attention_library() -> Optional[ctypes.CDLL]:
+    """The loaded attention library, built first if this machine has none yet; None when it cannot be had."""
+    return _optional_library(ATTENTION_SOURCE, "attention", True, _declare_attention)
 
 
 def row_top_k(x: torch.Tensor, k: int) -> Optional[np.ndarray]:
@@ -130,26 +145,6 @@ def row_top_k(x: torch.Tensor, k: int) -> Optional[np.ndarray]:
     if lib.rest_lab_row_top_k(x.data_ptr(), x.shape[0], x.shape[1], k, out.ctypes.data):
         return None
     return out
-
-
-def attention_library() -> Optional[ctypes.CDLL]:
-    """The loaded attention library, built first if this machine has none yet; None when it cannot be had."""
-    global _attention_lib, _attention_tried
-    if _attention_tried:
-        return _attention_lib
-    _attention_tried = True
-    if _switched_off():
-        return None
-    try:
-        lib = ctypes.CDLL(str(_built(ATTENTION_SOURCE, "attention", openmp=True)))
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.rest_lab_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr,
-                                           i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-        lib.rest_lab_attention.restype = ctypes.c_int
-        _attention_lib = lib
-    except (OSError, subprocess.SubprocessError, ValueError):
-        pass  # the caller keeps torch's attention
-    return _attention_lib
 
 
 _Strides3 = ctypes.c_int64 * 3
