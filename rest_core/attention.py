@@ -101,6 +101,10 @@ def tune_attention(model: nn.Module, cache: bool = True) -> Optional[AttentionCh
     if (kernels_mode() == "default" or shape is None or param is None or param.device.type != "cpu"
             or param.dtype != torch.float32 or native.attention_library() is None):
         return None
+    heads, kv_heads, size = shape
+    probe = torch.zeros(1, heads, 1, size), torch.zeros(1, kv_heads, 2, size)
+    if native.attention(probe[0], probe[1], probe[1], None, 1.0) is None:
+        return None  # a head shape the kernel has no layout for (see attention.cpp): SDPA throughout
     path = cache_dir() / "kernels" / f"attention-{shape[0]}x{shape[1]}x{shape[2]}-{machine_key()}.json"
     choice = _read(path, shape) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
     if choice is None:

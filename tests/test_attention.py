@@ -137,6 +137,9 @@ def test_the_measured_choice_is_cached_per_shape_and_read_back(tmp_path, monkeyp
     assert not any(uses_native((4, 2, 16), r, 64) for r in range(1, 65))
     monkeypatch.setenv("REST_LAB_KERNELS", "default")
     assert tune_attention(lm.model) is None
+    monkeypatch.delenv("REST_LAB_KERNELS")
+    monkeypatch.setattr(native, "attention", lambda *args: None)  # a head size the kernel has no layout for
+    assert tune_attention(lm.model) is None
 
 
 @needs_kernel
