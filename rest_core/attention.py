@@ -35,7 +35,7 @@ from torch import nn
 
 from datastores.common import cache_dir, write_atomic
 from rest_core import native
-from rest_core.kernels import ROWS, kernels_mode, row_neighbours
+from rest_core.kernels import ROWS, kernels_mode, row_neighbours, row_ranges
 from rest_core.machine import machine_key
 
 LENGTHS = (256, 1024)  # cache lengths timed
@@ -63,7 +63,7 @@ class AttentionChoice:
     enabled: bool = True
 
     def describe(self) -> str:
-        parts = [f"{_ranges(sorted(rows))} rows at {n} positions"
+        parts = [f"{row_ranges(rows)} rows at {n} positions"
                  for n, rows in sorted(self.native_rows.items()) if rows]
         if not parts:
             return f"torch SDPA for every row count (heads {self.shape[0]}/{self.shape[1]}, size {self.shape[2]})"
@@ -169,16 +169,6 @@ def _native_rows(timings: dict[int, dict[int, dict[str, float]]]) -> dict[int, f
         out[length] = frozenset(r for r, (lo, hi) in enumerate(row_neighbours(measured))
                                 if r and lo in wins and hi in wins)
     return out
-
-
-def _ranges(rows: list[int]) -> str:
-    runs: list[list[int]] = []
-    for r in rows:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _write(path: Path, choice: AttentionChoice) -> None:

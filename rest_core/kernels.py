@@ -226,7 +226,7 @@ class KernelChoice:
             return "default linear kernels (measured fastest at every row count)" + missing
         parts = []
         for kernel in KERNELS[1:]:
-            shapes = [f"{shape}: rows {_ranges(by[kernel])}" for shape, by in chosen.items() if kernel in by]
+            shapes = [f"{shape}: rows {row_ranges(by[kernel])}" for shape, by in chosen.items() if kernel in by]
             if shapes:
                 parts.append(f"{_kernel_name(kernel)} for " + "; ".join(shapes))
         return " and ".join(parts) + missing
@@ -250,7 +250,7 @@ def row_neighbours(measured: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _ranges(rows: list[int]) -> str:
+def row_ranges(rows: list[int]) -> str:
     """Row counts as runs: [1, 2, 3, 8, 9] -> '1-3, 8-9'."""
     if not rows:
         return "none"
