@@ -22,7 +22,6 @@ keeps torch's attention everywhere; `AttentionChoice.enabled` switches it off fo
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -62,6 +61,15 @@ class AttentionChoice:
     source: str = "measured"
     enabled: bool = True
 
+    def rows_at(self, length: int) -> frozenset[int]:
+        """The native kernel's row counts at the measured length nearest `length` on a log scale (of two equally
+        near, the shorter): asked by every attention call, so integer arithmetic only."""
+        lengths = sorted(self.native_rows)
+        i = 0
+        while i + 1 < len(lengths) and length * length > lengths[i] * lengths[i + 1]:  # past their geometric mean
+            i += 1
+        return self.native_rows[lengths[i]]
+
     def describe(self) -> str:
         parts = [f"{row_ranges(rows)} rows at {n} positions"
                  for n, rows in sorted(self.native_rows.items()) if rows]
@@ -78,8 +86,7 @@ def uses_native(shape: HeadShape, rows: int, length: int) -> bool:
     choice = _choices.get(shape)
     if choice is None or not choice.enabled or not choice.native_rows:
         return False
-    nearest = min(choice.native_rows, key=lambda n: abs(math.log(max(length, 1) / n)))
-    return rows in choice.native_rows[nearest]
+    return rows in choice.rows_at(length)
 
 
 def head_shape(model: nn.Module) -> Optional[HeadShape]:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rest_core.kv_cache import GrowingLayer, keep_path
+
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
@@ -26,8 +28,14 @@ def compact_cache(cache: DynamicCache, prefix_len: int, accepted_nodes: list[int
     """Keep slots [0, prefix_len) and the accepted tree nodes, in path order."""
     keep = len(accepted_nodes)
     contiguous = accepted_nodes == list(range(keep))  # path along the first nodes: a crop suffices
+    layers = _layers(cache)
+    growing = [layer for layer in layers if type(layer) is GrowingLayer]
+    if growing:  # the decoder's own cache: rows move inside the layers' buffers (rest_core.kv_cache)
+        keep_path(growing, prefix_len, accepted_nodes)
     idx = None
-    for layer in _layers(cache):
+    for layer in layers:
+        if type(layer) is GrowingLayer:
+            continue
         keys, values = layer.keys, layer.values  # (B, kv_heads, prefix_len + q, head_dim)
         if contiguous and keys.shape[2] == prefix_len + keep:
             continue  # every node kept in order (a one-token step, a chain accepted whole): nothing to move or cut

@@ -31,7 +31,7 @@ from rest_core.kv_cache import new_cache
 from rest_core.model import LoadedModel
 from rest_core.phases import PHASES, PhaseTimer
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
-from rest_core.sampling import Sampling, draw_token, greedy_choices, next_token_probs, top_successors
+from rest_core.sampling import Sampling, draw_token, greedy_choices, next_token_probs, successors_and_choices
 from rest_core.trace import Branch, StepHook, StepTrace
 from rest_core.tree import DraftTree, build_draft_tree, root_only, row_order
 from rest_core.verify import Verdict, tree_forward, verify
@@ -304,9 +304,12 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
     with timer("forward"):
         logits, positions, mask = tree_forward(lm, tree, prefix_len, cache)
     with timer("verify"):
-        verdict = verify(tree, logits, cfg.sampling, gen)
+        want = max((s.successors_k for s in stores), default=0)  # the stores that learn from the model's top k
+        top, choices = successors_and_choices(logits, want) if want > 0 else (None, None)
+        verdict = verify(tree, logits, cfg.sampling, gen, choices)
     with timer("commit"):
-        _teach(stores, tree, logits, context[-2] if len(context) > 1 else -1)
+        if top is not None:
+            _teach(stores, tree, top, context[-2] if len(context) > 1 else -1)
         compact_cache(cache, prefix_len, verdict.accepted_nodes)
         proposed = [int(tree.tokens[n]) for n in verdict.accepted_nodes[1:]] + [verdict.bonus_token]
         new, stop = _cut(proposed, room, lm.eos_token_ids, cfg.stop_at_eos)
@@ -317,13 +320,9 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
                 cfg.sampling, why)
 
 
-def _teach(stores: Sequence[Store], tree: DraftTree, logits: torch.Tensor, before_root: int) -> None:
-    """Hand every node's top predictions, and the token before each node (its parent's; `before_root` for
-    the root), to the stores that learn from the model."""
-    want = max((s.successors_k for s in stores), default=0)
-    if want <= 0:
-        return
-    top = top_successors(logits, want)  # (q, k)
+def _teach(stores: Sequence[Store], tree: DraftTree, top: np.ndarray, before_root: int) -> None:
+    """Hand every node's top predictions ((q, k) token ids, best first), and the token before each node (its
+    parent's; `before_root` for the root), to the stores that learn from the model."""
     previous = tree.tokens[np.maximum(tree.parents, 0)]
     previous[0] = before_root
     for store in stores:

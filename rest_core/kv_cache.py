@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from rest_core import native
 
 MIN_ROOM = 256  # positions a layer's first buffer holds at least
 
@@ -109,6 +112,26 @@ class GrowingLayer(DynamicLayer):
         """Positions the buffers hold before they grow again (0 before the first pass)."""
         buf = self._buffers[0]
         return 0 if buf is None else buf.shape[2]
+
+
+def keep_path(layers: list[GrowingLayer], start: int, nodes: list[int]) -> None:
+    """REST's compaction after a verify pass (rest_core.commit) for the growing layers of a cache: keep positions
+    [0, start), then positions start + n for n in `nodes` (increasing: the accepted path), and drop the rest.  A
+    path along the first nodes only moves the fill marks; otherwise the kept rows move down inside the buffers,
+    every layer in one native call where the kernel library can be had."""
+    end = start + len(nodes)
+    for layer in layers:
+        if end > layer.get_seq_length():
+            raise ValueError(f"keep_path: {len(nodes)} nodes after position {start}, "
+                             f"but the layer holds {layer.get_seq_length()} positions")
+    if nodes != list(range(len(nodes))):
+        buffers = [buf for layer in layers for buf in layer._buffers]
+        if not native.keep_rows(buffers, start, np.asarray(nodes, dtype=np.int64)):
+            idx = torch.tensor(nodes, device=buffers[0].device) + start
+            for buf in buffers:
+                buf[:, :, start:end] = buf.index_select(2, idx)
+    for layer in layers:
+        layer._filled = end
 
 
 def new_cache(model: nn.Module) -> DynamicCache:

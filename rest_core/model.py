@@ -66,11 +66,18 @@ class LoadedModel:
     kernels: Optional[KernelChoice] = None  # the linear kernels chosen on this machine (None: transformers' own)
     attention: Optional[AttentionChoice] = None  # the attention kernel per row count (None: torch's SDPA)
     _cache_kw: Optional[str] = field(default=None, repr=False)
+    _model_eos: Optional[frozenset[int]] = field(default=None, repr=False)
 
     @property
     def eos_token_ids(self) -> set[int]:
+        """The ids that end a decode (asked at every step: the model's own are read once)."""
         if self.eos_ids is not None:
             return set(self.eos_ids)
+        if self._model_eos is None:
+            self._model_eos = frozenset(self._read_eos())
+        return set(self._model_eos)
+
+    def _read_eos(self) -> set[int]:
         ids = set()
         for value in (getattr(self.model.generation_config, "eos_token_id", None),
                       getattr(self.tokenizer, "eos_token_id", None)):

@@ -62,6 +62,17 @@ def greedy_choices(logits: torch.Tensor) -> list[int]:
     return logits.detach().numpy().argmax(axis=-1).tolist()
 
 
+def successors_and_choices(logits: torch.Tensor, k: int) -> tuple[np.ndarray, Optional[list[int]]]:
+    """`top_successors(logits, k)` and, where REST Lab's native top-k answered, its first column as a list: each
+    row's first largest logit, which is `greedy_choices`' answer, so a step that needs both reads its logits once.
+    The list is None where the fallback answered (its order of equal logits may differ): take `greedy_choices`."""
+    k = min(k, logits.shape[1])
+    found = native.row_top_k(logits, k)
+    if found is not None:
+        return found, found[:, 0].tolist()
+    return top_successors(logits, k), None
+
+
 def top_successors(logits: torch.Tensor, k: int) -> np.ndarray:
     """(q, V) logits -> (q, k) int64: each row's k largest logits' token ids, largest first.
 

@@ -54,9 +54,9 @@ def tree_forward(lm: LoadedModel, tree: DraftTree, prefix_len: int,
     return logits, positions, mask
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    """logits: (q, V) for the q tree nodes."""
-    choices = greedy_choices(logits)
+def verify_greedy(tree: DraftTree, logits: torch.Tensor, choices: Optional[list[int]] = None) -> Verdict:
+    """logits: (q, V) for the q tree nodes; `choices`: their argmax when the caller has it already."""
+    choices = choices if choices is not None else greedy_choices(logits)
     path = [0]
     node = 0
     while (child := tree.children[node].get(choices[node])) is not None:
@@ -84,7 +84,10 @@ def verify_sampling(tree: DraftTree, logits: torch.Tensor, cfg: Sampling, gen: t
         node = child
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, cfg: Sampling, gen: Optional[torch.Generator]) -> Verdict:
+def verify(tree: DraftTree, logits: torch.Tensor, cfg: Sampling, gen: Optional[torch.Generator],
+           choices: Optional[list[int]] = None) -> Verdict:
+    """The accepted path and bonus token; `choices`: every node's argmax when the caller has it already (the
+    native top-k of the stores that learn from the model gives it in the same read of the logits)."""
     if cfg.greedy:
-        return verify_greedy(tree, logits)
-    return verify_sampling(tree, logits, cfg, gen)
+        return verify_greedy(tree, logits, choices)
+    return verify_sampling(tree, logits, cfg, gen, choices)

@@ -88,3 +88,19 @@ def test_without_the_native_top_k_the_choices_are_the_same(monkeypatch, tmp_path
         monkeypatch.setattr(native, "_compiler", lambda: (_ for _ in ()).throw(OSError("no C++ compiler found")))
     assert native.top_k_library() is None and native.row_top_k(logits, 8) is None
     assert (top_successors(logits, 8) == with_native).all()
+
+
+def test_a_step_reads_its_choices_and_successors_in_one_pass(monkeypatch):
+    """The decoder takes each node's argmax from the native top-k's first column: the same as greedy_choices, ties
+    included; where only the fallback answers it gives no choices and the decoder asks greedy_choices."""
+    from rest_core import native
+    from rest_core.sampling import successors_and_choices
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(3))
+    logits[1, 700] = logits[1, 9] = 50.0  # two equal maxima: the first one
+    logits[2, :] = -1.0  # a row of equal values
+    top, choices = successors_and_choices(logits, 8)
+    assert choices == greedy_choices(logits) and choices[1] == 9 and choices[2] == 0
+    assert (top == top_successors(logits, 8)).all()
+    monkeypatch.setattr(native, "_optional", {"row-top-k": None})  # no library on this machine
+    top, choices = successors_and_choices(logits, 8)
+    assert choices is None and (logits.gather(1, torch.from_numpy(top)) == logits.topk(8, dim=-1).values).all()

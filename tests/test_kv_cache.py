@@ -119,3 +119,31 @@ def test_generate_gives_the_same_tokens_with_the_growing_cache(tiny_lm, lookup):
     assert torch.equal(got, want)
     assert all(isinstance(layer, GrowingLayer) for layer in cache.layers)
     assert cache.get_seq_length() >= got.shape[1] - 1  # generate() wrote into the cache it was given
+
+
+@pytest.mark.parametrize("library", [True, False])
+def test_keep_path_moves_the_accepted_rows_of_every_layer_and_drops_the_rest(monkeypatch, library):
+    """The native move (every layer in one call) and torch's gather keep the same rows in the same places; the
+    prefix never moves; a path along the first nodes only moves the fill mark."""
+    from rest_core import native
+    from rest_core.kv_cache import keep_path
+    if not library:
+        monkeypatch.setattr(native, "_optional", {"cache-rows": None})
+    gen = torch.Generator().manual_seed(1)
+    layers = [GrowingLayer() for _ in range(3)]
+    filled = [(torch.randn(2, 3, 20, 8, generator=gen), torch.randn(2, 3, 20, 8, generator=gen)) for _ in layers]
+    for layer, (k, v) in zip(layers, filled):
+        layer.update(k, v)
+    keep_path(layers, 12, [0, 2, 5, 7])
+    for layer, (k, v) in zip(layers, filled):
+        want = [*range(12), 12, 14, 17, 19]
+        assert layer.get_seq_length() == 16
+        assert torch.equal(layer.keys, k[:, :, want]) and torch.equal(layer.values, v[:, :, want])
+    keep_path(layers, 12, [0, 1])  # a chain: a crop
+    assert all(layer.get_seq_length() == 14 for layer in layers)
+    assert torch.equal(layers[0].keys, filled[0][0][:, :, [*range(12), 12, 14]])
+    with pytest.raises(ValueError, match="holds 14 positions"):
+        keep_path(layers, 12, [0, 1, 2, 3])
+    before = layers[0]._buffers[0].clone()
+    assert not native.keep_rows([layers[0]._buffers[0]], 0, np.array([1, 0], dtype=np.int64))  # not increasing
+    assert torch.equal(layers[0]._buffers[0], before)  # refused: nothing moved

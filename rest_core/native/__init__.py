@@ -33,6 +33,7 @@ from rest_core.machine import machine_key
 SOURCE = Path(__file__).with_name("blocked_linear.cpp")
 TOP_K_SOURCE = Path(__file__).with_name("row_top_k.cpp")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.cpp")
+CACHE_ROWS_SOURCE = Path(__file__).with_name("cache_rows.cpp")
 MAX_TOP_K = 64  # the largest k row_top_k.cpp takes
 ENV = "REST_LAB_NATIVE"  # "0" / "off": never build or load the kernel
 PANEL = 16  # output columns per panel (the kernel's NB; checked against the library at load)
@@ -120,6 +121,37 @@ def _declare_attention(lib: ctypes.CDLL) -> None:
     lib.rest_lab_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr,
                                        i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.rest_lab_attention.restype = ctypes.c_int
+
+
+def _declare_cache_rows(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rest_lab_keep_rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, i64]
+    lib.rest_lab_keep_rows.restype = ctypes.c_int
+
+
+def cache_rows_library() -> Optional[ctypes.CDLL]:
+    """The loaded cache-compaction library, built first if this machine has none yet; None when it cannot be had."""
+    return _optional_library(CACHE_ROWS_SOURCE, "cache-rows", False, _declare_cache_rows)
+
+
+def keep_rows(buffers: list[torch.Tensor], start: int, nodes: np.ndarray) -> bool:
+    """In every buffer, move row start + nodes[j] to start + j (j = 0, 1, ...) along dim 2, in place
+    (`cache_rows.cpp`): the buffers contiguous CPU tensors of one shape and dtype, (B, H, capacity, D), `nodes`
+    increasing int64.  False, with nothing moved, when the library cannot be had or the buffers or nodes are not
+    of that kind (the caller then moves the rows with torch)."""
+    lib = cache_rows_library()
+    if lib is None or not buffers or nodes.dtype != np.int64 or not nodes.flags.c_contiguous:
+        return False
+    first = buffers[0]
+    shape, dtype = first.shape, first.dtype
+    if (len(shape) != 4 or (len(nodes) and start + int(nodes[-1]) >= shape[2])
+            or any(t.shape != shape or t.dtype != dtype or not t.is_cpu or not t.is_contiguous()
+                   for t in buffers)):
+        return False
+    b, h, capacity, d = shape
+    pointers = (ctypes.c_void_p * len(buffers))(*[t.data_ptr() for t in buffers])
+    return not lib.rest_lab_keep_rows(pointers, len(buffers), b * h, capacity, d, first.element_size(),
+                                      start, nodes.ctypes.data, len(nodes))
 
 
 def top_k_library() -> Optional[ctypes.CDLL]:
