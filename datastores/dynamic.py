@@ -45,6 +45,8 @@ _M1_U, _M2_U, _P_U = np.uint64(_M1), np.uint64(_M2), np.uint64(_P)
 
 __all__ = ["HistoryStore", "RequestStore"]
 
+SMALL_APPEND = 8  # appends of up to this many tokens (a decoding step's) are hashed with Python integers
+
 
 def _mix_np(tokens: np.ndarray) -> np.ndarray:
     """Per-token 64-bit scramble (int64 ids -> uint64), so n-gram hashes spread well."""
@@ -160,6 +162,9 @@ class _NgramIndex:
     def _index(self, first_new: int) -> None:
         """Hash the n-grams ending at positions first_new.. that lie inside the document."""
         top = self.levels[-1]
+        if self.size - first_new <= SMALL_APPEND:
+            self._index_few(first_new, top)
+            return
         w0 = max(self.doc_start, first_new - top + 1)
         mixed = _mix_np(self.toks[w0:self.size])  # (W,) window ending at the stream end
         h = mixed.copy()  # h[t] = hash of the (k+1)-gram ending at window position t (t >= k)
@@ -173,6 +178,22 @@ class _NgramIndex:
                     break
                 h[k:] = h[k:] * _P_U + mixed[:h.size - k]  # (k+1)-gram hashes
 
+    def _index_few(self, first_new: int, top: int) -> None:
+        """`_index` for the few tokens a decoding step appends, with Python integers (the same hashes): numpy's
+        per-call cost over arrays of one or two entries was most of a step's bookkeeping for this store."""
+        toks = self.toks
+        found: dict[int, tuple[list[int], list[int]]] = {n: ([], []) for n in self.levels}
+        for t in range(first_new, self.size):
+            h = 0
+            for j in range(min(top, t - self.doc_start + 1)):  # the n-grams ending at t, inside the document
+                h = (h * _P + _mix_py(int(toks[t - j]))) & _MASK
+                if j + 1 in found:
+                    found[j + 1][0].append(h)
+                    found[j + 1][1].append(t)
+        for n, (keys, pos) in found.items():
+            if keys:
+                self.postings[n].add(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.int64))
+
     def match(self, context: Sequence[int] | np.ndarray, n_max: int, n_min: int,
               max_matches: int) -> tuple[int, int, np.ndarray]:
         """(matched_len, total, chosen end positions most recent first) for a context."""
@@ -184,7 +205,10 @@ class _NgramIndex:
         if m < n_min or self.size == 0:
             return 0, 0, np.empty(0, dtype=np.int64)
         rq = q[::-1]  # (m,) newest first
-        hashes = _query_hashes(rq.tolist(), self.levels)
+        newest = rq.tolist()
+        if not self.postings[self.n_min].find(_query_hashes(newest[:self.n_min], [self.n_min])[self.n_min]).size:
+            return 0, 0, np.empty(0, dtype=np.int64)  # every match ends with the newest n_min tokens: none here
+        hashes = _query_hashes(newest, self.levels)
         cands = [n for n in self.levels if n <= m]
         for li in range(len(cands) - 1, -1, -1):
             level = cands[li]

@@ -210,6 +210,41 @@ def test_history_store_equals_brute_force(answers, ctx, n_max, n_min, max_tokens
     assert rows(got.continuations) == [brute_row(stream, i, L) for i in sorted(occ, reverse=True)[:max_matches]]
 
 
+def test_short_appends_hashed_in_python_index_the_same_n_grams_as_numpy(monkeypatch):
+    """A decoding step appends a token or a few (hashed with Python integers below SMALL_APPEND); longer appends
+    are hashed with numpy: the two must put the same n-gram hashes at the same positions, inside documents only."""
+    from datastores import dynamic
+    rng = np.random.default_rng(5)
+    stream = rng.integers(0, 30, size=300)
+    cuts = [3]
+    while cuts[-1] < stream.size:
+        cuts.append(cuts[-1] + int(rng.integers(1, 10)))  # 1-9 tokens: both sides of SMALL_APPEND
+
+    def build():
+        request = RequestStore(stream[:3], n_max=16, n_min=2)
+        for a, b in zip(cuts, cuts[1:]):
+            request.extend(stream[a:b])
+        history = HistoryStore(n_max=16, n_min=2)
+        for a, b in zip(cuts[:12], cuts[1:12]):
+            history.add(stream[a:b])  # short answers: a separator, then the answer's n-grams only
+        return request, history
+
+    fast = build()
+    monkeypatch.setattr(dynamic, "SMALL_APPEND", 0)  # numpy for every append
+    reference = build()
+    for a, b in zip(fast, reference):
+        for n, postings in a._index.postings.items():
+            other = b._index.postings[n]
+            postings.merge()
+            other.merge()
+            assert np.array_equal(postings.keys, other.keys), n
+            assert np.array_equal(postings.pos, other.pos), n
+    assert fast[0]._index.postings[16].keys.size == stream.size - 15  # every 16-gram of the request
+    ctx = stream[-6:].tolist()
+    assert rows(fast[0].lookup(ctx, continuation_len=3).continuations) == \
+        rows(reference[0].lookup(ctx, continuation_len=3).continuations)
+
+
 def test_dynamic_stores_scale_past_the_merge_threshold():
     rng = np.random.default_rng(0)
     stream = rng.integers(0, 50, size=40_000)
