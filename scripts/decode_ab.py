@@ -13,8 +13,14 @@ Reports ms per new token (prefill left out) per context length, method and set-u
 The prompt is the first N tokens of this repository's README (its content does not matter for the timing;
 greedy, no end-of-sequence stop, so every decode runs the same number of steps).
 
+Before the decodes, single passes over q tokens (a chain of draft nodes under its tree mask) after a prefix,
+each set-up with its own cache: ms per set-up, each over "before", and this decoder's q-token pass over its
+one-token pass of the same round (the pass-cost ratio the budget choice weighs; paired per round, so a slow
+minute on the shared machine moves both).
+
     .venv/bin/python scripts/decode_ab.py
     .venv/bin/python scripts/decode_ab.py --context 64 1024 2048 --new-tokens 64 --rounds 3
+    .venv/bin/python scripts/decode_ab.py --context 64 --new-tokens 8 --rounds 1 --pass-rounds 40
 """
 from __future__ import annotations
 
@@ -85,7 +91,10 @@ def passes(lm, prefix_len: int, sizes: list[int], rounds: int) -> dict[str, dict
             for q in sizes:
                 ids = torch.randint(0, lm.vocab_size, (1, q), generator=gen)
                 pos = torch.arange(prefix_len, prefix_len + q)[None]
-                mask = torch.zeros((1, 1, q, prefix_len + q)) if q > 1 else None
+                mask = None
+                if q > 1:  # a chain of q draft nodes: each sees the prefix and the nodes before it
+                    mask = torch.zeros((1, 1, q, prefix_len + q))
+                    mask[0, 0, :, prefix_len:] = torch.triu(torch.full((q, q), float("-inf")), 1)
                 t0 = time.perf_counter()
                 lm.forward(input_ids=ids, position_ids=pos, attention_mask=mask, cache=caches[name])
                 ms = (time.perf_counter() - t0) * 1e3
@@ -118,8 +127,9 @@ def main() -> None:
     names = list(SETUPS)
     print(f"\nOne forward pass over q tokens after a prefix, ms (median of {args.pass_rounds} rounds), and over "
           f"'before' (median of the per-round ratios, p25-p75)\n")
-    print("| prefix | q | " + " | ".join(names) + " | " + " | ".join(f"{n} / before" for n in names[:-1]) + " |")
-    print("|---|---|" + "---|" * (2 * len(names) - 1))
+    print("| prefix | q | " + " | ".join(names) + " | " + " | ".join(f"{n} / before" for n in names[:-1])
+          + " | this decoder: × its one-token pass |")
+    print("|---|---|" + "---|" * (2 * len(names)))
     for prefix_len in args.prefix:
         timed = passes(lm, prefix_len, args.q, args.pass_rounds)
         for q in args.q:
@@ -127,8 +137,12 @@ def main() -> None:
             for n in names[:-1]:
                 per = np.array(timed[n][q]) / np.array(timed["before"][q])
                 cells.append(f"{np.median(per):.3f} ({np.percentile(per, 25):.3f}-{np.percentile(per, 75):.3f})")
+            own = "–"
+            if 1 in timed[names[0]] and q != 1:  # paired: over the same round's one-token pass
+                per = np.array(timed[names[0]][q]) / np.array(timed[names[0]][1])
+                own = f"{np.median(per):.3f} ({np.percentile(per, 25):.3f}-{np.percentile(per, 75):.3f})"
             print(f"| {prefix_len} | {q} | " + " | ".join(f"{np.median(timed[n][q]):.1f}" for n in names) + " | "
-                  + " | ".join(cells) + " |", flush=True)
+                  + " | ".join(cells) + f" | {own} |", flush=True)
     print(f"\nWhole decodes: ms per new token (median of {args.rounds} rounds), and over 'before' (median, min-max "
           f"of the per-round ratios)\n")
     print("| context | method | " + " | ".join(names) + " | " + " | ".join(f"{n} / before" for n in names[:-1]) + " |")
