@@ -4,8 +4,9 @@ transformers' `DynamicLayer` appends each pass's keys and values with `torch.cat
 whole cache at every step: at a 1,024-token context SmolLM2-135M copies 30 layers x 2 x 768 KB, 47 MB per
 one-token step, and more as the context grows.  `GrowingLayer` keeps one buffer per layer with room to spare
 (twice what is filled when it runs out), writes each pass's entries after the filled part and hands attention
-a view of the filled part.  Cropping, and REST's compaction after a verify pass (`rest_core.commit`), only
-move the fill mark.  Attention sees the same numbers; decoding gives the same tokens.
+a view of the filled part.  Cropping only moves the fill mark; REST's compaction after a verify pass
+(`keep_path`, called by `rest_core.commit`) moves the accepted nodes' rows down inside the buffers, every
+layer in one native call, and then the mark.  Attention sees the same numbers; decoding gives the same tokens.
 
 Plain decoding, REST, the cost curve's calibration, the verify-pass benchmark and the `generate()` baselines
 of the benchmark all use this cache (`new_cache`), so every comparison stays like for like.  Layers of other

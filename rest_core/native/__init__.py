@@ -6,12 +6,13 @@ one-token step does, and uses every loaded weight for every row (up to 16 rows a
 with AVX2).  `row_top_k.cpp` finds each logits row's k largest ids in one pass on the calling thread (the
 model's choices every step hands to the stores that learn from it).  `attention.cpp` computes attention for a
 few query rows over the key/value cache (grouped-query heads, a tree mask), reading the cache where it lies.
-Each is compiled with the machine's
-C++ compiler for this very CPU (-march=native) into the cache (`<cache>/native/`, one file per machine key
-and source; the linear kernel linked to the OpenMP runtime torch already uses) and loaded with ctypes: no
-build step at install time, nothing to download.  Where there is no compiler, the build fails, or
-REST_LAB_NATIVE=0, `library()` / `top_k_library()` / `attention_library()` return None and `unavailable()`
-says why for the linear kernel; the callers then keep their torch paths.
+`cache_rows.cpp` moves the accepted tree nodes' rows next to the prefix in every layer of the cache at once
+(REST's compaction after a verify pass).  Each is compiled with the machine's C++ compiler for this very
+CPU (-march=native) into the cache (`<cache>/native/`, one file per machine key and source; the linear
+kernel linked to the OpenMP runtime torch already uses) and loaded with ctypes: no build step at install
+time, nothing to download.  Where there is no compiler, the build fails, or REST_LAB_NATIVE=0, `library()`
+/ `top_k_library()` / `attention_library()` / `cache_rows_library()` return None and `unavailable()` says
+why for the linear kernel; the callers then keep their torch paths.
 """
 from __future__ import annotations
 
