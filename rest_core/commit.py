@@ -26,16 +26,17 @@ def _layers(cache):
 
 def compact_cache(cache: DynamicCache, prefix_len: int, accepted_nodes: list[int]) -> None:
     """Keep slots [0, prefix_len) and the accepted tree nodes, in path order."""
-    keep = len(accepted_nodes)
-    contiguous = accepted_nodes == list(range(keep))  # path along the first nodes: a crop suffices
     layers = _layers(cache)
     growing = [layer for layer in layers if type(layer) is GrowingLayer]
     if growing:  # the decoder's own cache: rows move inside the layers' buffers (rest_core.kv_cache)
         keep_path(growing, prefix_len, accepted_nodes)
+    others = [layer for layer in layers if type(layer) is not GrowingLayer]
+    if not others:
+        return
+    keep = len(accepted_nodes)
+    contiguous = accepted_nodes == list(range(keep))  # path along the first nodes: a crop suffices
     idx = None
-    for layer in layers:
-        if type(layer) is GrowingLayer:
-            continue
+    for layer in others:
         keys, values = layer.keys, layer.values  # (B, kv_heads, prefix_len + q, head_dim)
         if contiguous and keys.shape[2] == prefix_len + keep:
             continue  # every node kept in order (a one-token step, a chain accepted whole): nothing to move or cut

@@ -70,7 +70,7 @@ def successors_and_choices(logits: torch.Tensor, k: int) -> tuple[np.ndarray, Op
     found = native.row_top_k(logits, k)
     if found is not None:
         return found, found[:, 0].tolist()
-    return top_successors(logits, k), None
+    return _torch_top_k(logits, k), None
 
 
 def top_successors(logits: torch.Tensor, k: int) -> np.ndarray:
@@ -82,11 +82,12 @@ def top_successors(logits: torch.Tensor, k: int) -> np.ndarray:
     vocabulary that is several times cheaper than torch.topk over the whole row.  Where REST Lab's native
     top-k is built (`rest_core.native.row_top_k`: one pass per row on this thread, no thread pool woken after
     the forward pass) it answers instead."""
+    return successors_and_choices(logits, k)[0]
+
+
+def _torch_top_k(logits: torch.Tensor, k: int) -> np.ndarray:
+    """`top_successors` with torch (k <= the vocabulary), where the native top-k cannot answer."""
     q, vocab = logits.shape
-    k = min(k, vocab)
-    found = native.row_top_k(logits, k)
-    if found is not None:
-        return found
     blocks = vocab // TOPK_BLOCK
     if logits.device.type != "cpu" or blocks <= 2 * k:
         return logits.topk(k, dim=-1).indices.cpu().numpy()
