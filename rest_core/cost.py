@@ -72,6 +72,7 @@ BINS = np.array([0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 0.9, 1.0001])  # ratio bins (a 
 DEPTHS = 4  # depth cells: 1, 2, 3, 4 and deeper
 SUPPORT = np.array([0.0, 2.0, 4.0, 16.0])  # support cells: 1, 2-3, 4-15, 16+ rows through the node
 SHAPE = (2, DEPTHS, len(SUPPORT), len(BINS) - 1)  # drafted / accepted counts per source
+CELLS = DEPTHS * len(SUPPORT) * (len(BINS) - 1)  # cells per kind of count, flattened (C order of SHAPE[1:])
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior in each cell: learning wins soon
 PRIOR_SCALE = 0.4  # the prior: this fraction of the ratio
 MAX_COUNT = 5000.0  # per cell: older observations fade so the calibration keeps adapting
@@ -177,14 +178,14 @@ class CostModel:
     def _from_cells(self, tree: DraftTree, cells=None) -> tuple[np.ndarray, np.ndarray]:
         """(n,) each draft node's chance of being accepted once its parent was, by its cell alone, and
         (n,) its source name."""
-        ratio, idx_all, sources = cells if cells is not None else _cells(tree)
+        ratio, cell, sources = cells if cells is not None else _cells(tree)
         drafted = np.zeros(len(sources))
         accepted = np.zeros(len(sources))
         for name in set(tree.sources[1:]):
             rows = sources == name
-            c = self._counts(name)
-            idx = tuple(cell[rows] for cell in idx_all)
-            drafted[rows], accepted[rows] = c[0][idx], c[1][idx]
+            c = self._counts(name).reshape(2, -1)  # a view: (drafted, accepted) per flat cell
+            at = cell[rows]
+            drafted[rows], accepted[rows] = c[0, at], c[1, at]
         return (accepted + PRIOR_WEIGHT * PRIOR_SCALE * ratio) / (drafted + PRIOR_WEIGHT), sources
 
     def conditional(self, tree: DraftTree) -> np.ndarray:
@@ -201,12 +202,11 @@ class CostModel:
         conditional chances along its path.  A child never beats its parent, so every prefix of the
         ranking is a tree (ties go to the shallower node)."""
         n = tree.draft_size
-        cond = self.conditional(tree)  # (n,)
-        chance = cond.copy()
-        for i in range(n):  # parents come first
-            parent = int(tree.parents[i + 1])
+        product = self.conditional(tree).tolist()  # (n,) Python floats: a loop over a few dozen nodes
+        for i, parent in enumerate(tree.parents[1:].tolist()):  # parents come first
             if parent > 0:
-                chance[i] *= chance[parent - 1]
+                product[i] *= product[parent - 1]
+        chance = np.array(product)
         order = np.lexsort((np.arange(n), tree.depths[1:], -chance))
         return order + 1, chance[order]
 
@@ -249,7 +249,7 @@ class CostModel:
         q = len(tree)
         if q > 1:
             found = _cells(tree)
-            _, cells, sources = found
+            _, cell, sources = found
             expected, _ = self._from_cells(tree, found)  # the cells' chances before this step joins them
             taken = np.zeros(q, dtype=bool)
             taken[[0, *accepted_nodes]] = True  # the root is always "accepted"
@@ -262,9 +262,9 @@ class CostModel:
                 accepted, predicted = self._request.get(name, (0.0, 0.0))
                 self._request[name] = (accepted + float(hit[rows].sum()), predicted + float(expected[rows].sum()))
                 c = self._counts(name)
-                idx = tuple(cell[rows] for cell in cells)
-                np.add.at(c[0], idx, 1.0)
-                np.add.at(c[1], idx, hit[rows])
+                at = cell[rows]
+                c[0] += np.bincount(at, minlength=CELLS).reshape(SHAPE[1:])
+                c[1] += np.bincount(at, weights=hit[rows], minlength=CELLS).reshape(SHAPE[1:])
                 full = c[0] > MAX_COUNT
                 if full.any():  # older observations fade so the calibration keeps adapting
                     c *= np.where(full, MAX_COUNT / np.maximum(c[0], 1.0), 1.0)
@@ -331,9 +331,9 @@ class CostModel:
         """times_ms: the shape at the machine's level now, the one-token time the newest passes imply through
         it (the calibration's until a real pass was timed)."""
         level = float(self._calibrated[0])
-        if self._recent:
-            sizes, ms = (np.array(v, dtype=float) for v in zip(*self._recent))
-            level = float(np.median(ms / np.interp(sizes, self.grid, self._shape)))
+        if self._recent:  # a handful of passes: Python floats (numpy's per-call cost was most of this step's)
+            shape = self._shape.tolist()
+            level = statistics.median([ms / _interp(q, self.grid, shape) for q, ms in self._recent])
         self.times_ms = level * self._shape
 
     def save_stats(self) -> None:
@@ -390,18 +390,31 @@ class _Passes:
         return True
 
 
-def _cells(tree: DraftTree) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+def _interp(x: float, xs: Sequence[int], ys: Sequence[float]) -> float:
+    """np.interp(x, xs, ys) for one x inside [xs[0], xs[-1]] (increasing xs), by the same formula."""
+    j = bisect.bisect_right(xs, x) - 1
+    if j >= len(xs) - 1:
+        return float(ys[-1])
+    slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
+    return slope * (x - xs[j]) + ys[j]
+
+
+def _cells(tree: DraftTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per draft node: its ratio (share of its parent's rows, or its own share under a parent of another
-    source), its cell (depth, support, ratio bin) and its source name (an array, for masks)."""
+    source), its cell (depth, support, ratio bin) as one index into a source's counts flattened per kind
+    (`CELLS` of them), and its source name (an array, for masks)."""
     parents = tree.parents[1:]
     shares = tree.shares[1:]
     parent_share = tree.shares[parents]
-    named = np.asarray(tree.sources)
+    named = np.array(tree.sources)
     same = named[parents] == named[1:]
-    ratio = np.clip(np.where(same & (parent_share > 0), shares / np.maximum(parent_share, 1e-12), shares), 0.0, 1.0)
-    depth = np.clip(tree.depths[1:] - 1, 0, DEPTHS - 1)
-    sup = np.clip(np.digitize(tree.support[1:], SUPPORT) - 1, 0, len(SUPPORT) - 1)
-    return ratio, (depth, sup, np.clip(np.digitize(ratio, BINS) - 1, 0, len(BINS) - 2)), named[1:]
+    ratio = np.where(same & (parent_share > 0), shares / np.maximum(parent_share, 1e-12), shares)
+    ratio = np.minimum(np.maximum(ratio, 0.0), 1.0)
+    depth = np.minimum(tree.depths[1:] - 1, DEPTHS - 1)  # draft nodes are at depth 1 and deeper
+    # np.digitize(x, increasing bins) - 1 is searchsorted(bins, x, "right") - 1; support and ratio are >= 0
+    sup = np.minimum(SUPPORT.searchsorted(tree.support[1:], "right") - 1, len(SUPPORT) - 1)
+    rbin = np.minimum(BINS.searchsorted(ratio, "right") - 1, len(BINS) - 2)
+    return ratio, (depth * len(SUPPORT) + sup) * (len(BINS) - 1) + rbin, named[1:]
 
 
 def _stored_counts(data) -> dict[str, list]:
