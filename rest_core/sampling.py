@@ -80,8 +80,8 @@ def top_successors(logits: torch.Tensor, k: int) -> np.ndarray:
     takes the maxima of blocks of TOPK_BLOCK logits first: the k blocks with the largest maxima hold k of
     the row's largest logits, so the top-k of those k x TOPK_BLOCK candidates is the row's top-k; for a 49k
     vocabulary that is several times cheaper than torch.topk over the whole row.  Where REST Lab's native
-    top-k is built (`rest_core.native.row_top_k`: one pass per row on this thread, no thread pool woken after
-    the forward pass) it answers instead."""
+    top-k is built (`rest_core.native.row_top_k`: one pass per row, each row read in one stretch per thread
+    and the stretches merged) it answers instead."""
     return successors_and_choices(logits, k)[0]
 
 

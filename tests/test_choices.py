@@ -104,3 +104,33 @@ def test_a_step_reads_its_choices_and_successors_in_one_pass(monkeypatch):
     monkeypatch.setattr(native, "_optional", {"row-top-k": None})  # no library on this machine
     top, choices = successors_and_choices(logits, 8)
     assert choices is None and (logits.gather(1, torch.from_numpy(top)) == logits.topk(8, dim=-1).values).all()
+
+
+def test_rows_read_in_stretches_on_several_threads_give_one_pass_answer():
+    """The native top-k reads each row in one stretch per thread and merges them: equal values on either side of
+    a stretch boundary still come lower id first, and a NaN in any stretch is refused."""
+    from rest_core import native
+    lib = native.top_k_library()
+    assert lib is not None
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 49152, generator=gen)
+    logits[:, ::5] = logits[:, ::5].round()  # many equal values
+    logits[0, [30000, 12, 24575, 24576]] = 9.0  # equal maxima in both halves and at the boundary
+    logits[1, 40000] = 9.0  # the largest only in the second half
+
+    def read(x, k, threads):
+        out = np.empty((x.shape[0], k), dtype=np.int64)
+        failed = lib.rest_lab_row_top_k(x.data_ptr(), x.shape[0], x.shape[1], k, out.ctypes.data, threads)
+        return None if failed else out
+
+    one = read(logits, 16, 1)
+    assert one[0, :4].tolist() == [12, 24575, 24576, 30000] and one[1, 0] == 40000
+    for threads in (2, 3, 4, 16):  # 16 asks more stretches than a 49k row holds: fewer are used
+        assert (read(logits, 16, threads) == one).all()
+    want = np.stack([np.lexsort((np.arange(r.size), -r))[:16] for r in logits.numpy()])
+    assert (one == want).all()
+    short = torch.tensor([[1.0, 3.0, 3.0, 2.0]])  # shorter than a stretch: one pass
+    assert read(short, 4, 2).tolist() == [[1, 2, 3, 0]]
+    nan = logits.clone()
+    nan[2, 45000] = float("nan")  # in the last stretch
+    assert read(nan, 8, 2) is None and read(nan, 8, 1) is None

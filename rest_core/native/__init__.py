@@ -3,13 +3,14 @@
 `blocked_linear.cpp` computes y = x W^T + b for linear layers over a few rows, with W stored once in
 16-column panels, so a verify pass over a handful of tree nodes streams each weight from memory once, as a
 one-token step does, and uses every loaded weight for every row (up to 16 rows at a time with AVX-512, 6
-with AVX2).  `row_top_k.cpp` finds each logits row's k largest ids in one pass on the calling thread (the
-model's choices every step hands to the stores that learn from it).  `attention.cpp` computes attention for a
-few query rows over the key/value cache (grouped-query heads, a tree mask), reading the cache where it lies.
+with AVX2).  `row_top_k.cpp` finds each logits row's k largest ids in one pass, each row read in one
+stretch per thread (the model's choices every step hands to the stores that learn from it).
+`attention.cpp` computes attention for a few query rows over the key/value cache (grouped-query heads, a
+tree mask), reading the cache where it lies.
 `cache_rows.cpp` moves the accepted tree nodes' rows next to the prefix in every layer of the cache at once
 (REST's compaction after a verify pass).  Each is compiled with the machine's C++ compiler for this very
 CPU (-march=native) into the cache (`<cache>/native/`, one file per machine key and source; the linear
-kernel linked to the OpenMP runtime torch already uses) and loaded with ctypes: no build step at install
+kernels linked to the OpenMP runtime torch already uses) and loaded with ctypes: no build step at install
 time, nothing to download.  Where there is no compiler, the build fails, or REST_LAB_NATIVE=0, `library()`
 / `top_k_library()` / `attention_library()` / `cache_rows_library()` return None and `unavailable()` says
 why for the linear kernel; the callers then keep their torch paths.
@@ -113,7 +114,8 @@ def _optional_library(source: Path, stem: str, openmp: bool, declare) -> Optiona
 
 
 def _declare_top_k(lib: ctypes.CDLL) -> None:
-    lib.rest_lab_row_top_k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.rest_lab_row_top_k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_int]
     lib.rest_lab_row_top_k.restype = ctypes.c_int
 
 
@@ -157,7 +159,7 @@ def keep_rows(buffers: list[torch.Tensor], start: int, nodes: np.ndarray) -> boo
 
 def top_k_library() -> Optional[ctypes.CDLL]:
     """The loaded top-k library, built first if this machine has none yet; None when it cannot be had."""
-    return _optional_library(TOP_K_SOURCE, "row-top-k", False, _declare_top_k)
+    return _optional_library(TOP_K_SOURCE, "row-top-k", True, _declare_top_k)
 
 
 def attention_library() -> Optional[ctypes.CDLL]:
@@ -175,7 +177,7 @@ def row_top_k(x: torch.Tensor, k: int) -> Optional[np.ndarray]:
         return None
     x = x.contiguous()
     out = np.empty((x.shape[0], k), dtype=np.int64)
-    if lib.rest_lab_row_top_k(x.data_ptr(), x.shape[0], x.shape[1], k, out.ctypes.data):
+    if lib.rest_lab_row_top_k(x.data_ptr(), x.shape[0], x.shape[1], k, out.ctypes.data, torch.get_num_threads()):
         return None
     return out
 
