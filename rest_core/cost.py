@@ -183,7 +183,7 @@ class CostModel:
         accepted = np.zeros(len(sources))
         for name in set(tree.sources[1:]):
             rows = sources == name
-            c = self._counts(name).reshape(2, -1)  # a view: (drafted, accepted) per flat cell
+            c = self._counts(name).reshape(2, -1)  # (drafted, accepted) per flat cell
             at = cell[rows]
             drafted[rows], accepted[rows] = c[0, at], c[1, at]
         return (accepted + PRIOR_WEIGHT * PRIOR_SCALE * ratio) / (drafted + PRIOR_WEIGHT), sources
