@@ -32,6 +32,7 @@ __all__ = [
     "cache_dir",
     "check_lookup_args",
     "gather_continuations",
+    "query_ids",
     "query_tail",
 ]
 
@@ -179,6 +180,19 @@ def query_tail(context: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
         raise DatastoreError("context holds a token id outside [0, 2**32 - 1); "
                              "token ids must be non-negative and below the separator 0xFFFFFFFF")
     return arr
+
+
+def query_ids(context: Sequence[int] | np.ndarray, count: int) -> list[int]:
+    """`query_tail` as a list of Python integers.  A list or tuple of Python ints (what the decoder hands over) is
+    checked without numpy: every lookup runs right after a forward pass, when each distinct numpy operation
+    starts from cold caches, and a miss needs none."""
+    if count <= 0:
+        return []
+    if isinstance(context, (list, tuple)):
+        tail = context[-count:]
+        if all(type(t) is int and 0 <= t < SEP for t in tail):
+            return list(tail)
+    return query_tail(context, count).tolist()
 
 
 def gather_continuations(stream: np.ndarray, ends: np.ndarray, length: int, stream_len: int,

@@ -33,6 +33,7 @@ from datastores.common import (
     check_lookup_args,
     empty_lookup,
     gather_continuations,
+    query_ids,
     query_tail,
     write_atomic,
 )
@@ -94,6 +95,18 @@ class _Postings:
         self.tail_pos[self.tail_len:self.tail_len + k] = pos
         self.tail_len += k
         if self.tail_len > min(16384, max(1024, self.keys.size // 8)):
+            self.merge()
+
+    def add_one(self, key: int, pos: int) -> None:
+        """`add` of one entry from Python integers (a decoding step's few new n-grams)."""
+        n = self.tail_len
+        if n == self.tail_keys.size:
+            self.tail_keys = np.resize(self.tail_keys, 2 * n)
+            self.tail_pos = np.resize(self.tail_pos, 2 * n)
+        self.tail_keys[n] = key
+        self.tail_pos[n] = pos
+        self.tail_len = n + 1
+        if n + 1 > min(16384, max(1024, self.keys.size // 8)):
             self.merge()
 
     def merge(self) -> None:
@@ -159,6 +172,18 @@ class _NgramIndex:
             self.doc_start = start + (1 if start else 0)
         self._index(start)
 
+    def append_few(self, tokens: list[int]) -> None:
+        """`append` to the last document of a few checked Python integers (a decoding step's tokens)."""
+        k = len(tokens)
+        if not k:
+            return
+        if self.size + k > self.toks.size:
+            self.toks = np.resize(self.toks, max(2 * self.toks.size, self.size + k))
+        start = self.size
+        self.toks[start:start + k] = tokens
+        self.size += k
+        self._index(start)
+
     def _index(self, first_new: int) -> None:
         """Hash the n-grams ending at positions first_new.. that lie inside the document."""
         top = self.levels[-1]
@@ -179,20 +204,18 @@ class _NgramIndex:
                 h[k:] = h[k:] * _P_U + mixed[:h.size - k]  # (k+1)-gram hashes
 
     def _index_few(self, first_new: int, top: int) -> None:
-        """`_index` for the few tokens a decoding step appends, with Python integers (the same hashes): numpy's
-        per-call cost over arrays of one or two entries was most of a step's bookkeeping for this store."""
-        toks = self.toks
-        found: dict[int, tuple[list[int], list[int]]] = {n: ([], []) for n in self.levels}
+        """`_index` for the few tokens a decoding step appends, with Python integers (the same hashes, added in
+        the same order): right after a forward pass every distinct numpy operation runs from cold caches, and
+        building arrays of one or two entries per level was most of a step's bookkeeping for this store."""
+        lo = max(self.doc_start, first_new - top + 1)
+        mixed = [_mix_py(t) for t in self.toks[lo:self.size].tolist()]  # the window ending at the stream end
+        postings = self.postings
         for t in range(first_new, self.size):
             h = 0
             for j in range(min(top, t - self.doc_start + 1)):  # the n-grams ending at t, inside the document
-                h = (h * _P + _mix_py(int(toks[t - j]))) & _MASK
-                if j + 1 in found:
-                    found[j + 1][0].append(h)
-                    found[j + 1][1].append(t)
-        for n, (keys, pos) in found.items():
-            if keys:
-                self.postings[n].add(np.array(keys, dtype=np.uint64), np.array(pos, dtype=np.int64))
+                h = (h * _P + mixed[t - j - lo]) & _MASK
+                if j + 1 in postings:
+                    postings[j + 1].add_one(h, t)
 
     def match(self, context: Sequence[int] | np.ndarray, n_max: int, n_min: int,
               max_matches: int) -> tuple[int, int, np.ndarray]:
@@ -200,15 +223,16 @@ class _NgramIndex:
         if n_min < self.n_min:
             raise DatastoreError(f"this store indexes suffixes of at least {self.n_min} tokens, "
                                  f"lookup asked for n_min={n_min}; construct it with n_min={n_min}")
-        q = query_tail(context, n_max)  # (m,) int64, newest last
-        m = q.size
+        newest = query_ids(context, n_max)[::-1]  # (m,) newest first
+        m = len(newest)
         if m < n_min or self.size == 0:
             return 0, 0, np.empty(0, dtype=np.int64)
-        rq = q[::-1]  # (m,) newest first
-        newest = rq.tolist()
-        if not self.postings[self.n_min].find(_query_hashes(newest[:self.n_min], [self.n_min])[self.n_min]).size:
+        last = self.size - 1  # an n-gram ending here has no continuation (the request store's own newest tokens)
+        first = self.postings[self.n_min].find(_query_hashes(newest[:self.n_min], [self.n_min])[self.n_min])
+        if not first.size or first[0] >= last or first[-1] < self.live_start:
             return 0, 0, np.empty(0, dtype=np.int64)  # every match ends with the newest n_min tokens: none here
         hashes = _query_hashes(newest, self.levels)
+        rq = np.array(newest, dtype=np.int64)
         cands = [n for n in self.levels if n <= m]
         for li in range(len(cands) - 1, -1, -1):
             level = cands[li]
@@ -217,6 +241,8 @@ class _NgramIndex:
             # only up to its length (a frequent bigram has many candidates)
             cap = cands[li + 1] - 1 if li + 1 < len(cands) else m
             pos = self.postings[level].find(hashes[level])  # (c,) ascending
+            if pos.size and pos[-1] == last:
+                pos = pos[:-1]
             if pos.size and self.live_start:
                 pos = pos[pos >= self.live_start]
             if pos.size:
@@ -285,6 +311,10 @@ class RequestStore(StoreBase):
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append accepted tokens; indexes only the new n-grams."""
+        if isinstance(tokens, list) and len(tokens) <= SMALL_APPEND and all(
+                type(t) is int and 0 <= t < SEP for t in tokens):  # a decoding step's: no arrays needed
+            self._index.append_few(tokens)
+            return
         arr = query_tail(tokens, len(tokens))
         self._index.append(arr, new_doc=False)
 

@@ -43,7 +43,7 @@ from datastores.common import (
     check_lookup_args,
     empty_lookup,
     gather_continuations,
-    query_tail,
+    query_ids,
     sliding_window,
 )
 from datastores.fingerprint import check_tokenizer
@@ -383,11 +383,11 @@ class TokenDatastore(StoreBase):
         come in SA order; the choice is deterministic for a given store and context.
         """
         check_lookup_args(n_max, n_min, max_matches, continuation_len)
-        ext = query_tail(context, max(n_max, LEFT_CONTEXT_TOKENS))  # (<=ext,) int64
-        m = min(n_max, ext.size)
+        ext = query_ids(context, max(n_max, LEFT_CONTEXT_TOKENS))  # (<=ext,)
+        m = min(n_max, len(ext))
         if m < n_min:
             return empty_lookup(self.source, continuation_len)
-        ext_b = ext.astype("<u4").tobytes()[::-1]  # reversed context, big-endian tokens
+        ext_b = struct.pack(f">{len(ext)}I", *reversed(ext))  # reversed context, big-endian tokens
         q = ext_b[:4 * m]
         N = self.n_tokens
         p = self._lower_bound(q, m, 0, N)
@@ -407,7 +407,7 @@ class TokenDatastore(StoreBase):
         if live <= max_matches:
             ends = self._live_ranks(lo, hi)
         else:
-            ends = self._select_by_left_context(ext_b, ext.size, lo, hi, max_matches)
+            ends = self._select_by_left_context(ext_b, len(ext), lo, hi, max_matches)
         win = self._windows.get(continuation_len)
         if win is None and N >= continuation_len:
             win = self._windows[continuation_len] = sliding_window(self._tokens, continuation_len)

@@ -224,7 +224,7 @@ class Step:
     """Everything one REST step produced, for the loop's totals and the per-step trace."""
 
     prefix_len: int
-    query: np.ndarray
+    query: list[int]  # the newest n_max context tokens, as looked up
     lookups: list
     budget: int
     tree: DraftTree

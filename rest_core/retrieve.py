@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 # continuations taken per store and step: enough for a store's shares of its next tokens to be steady
 # (with more matches a store keeps those whose preceding text agrees longest with the context), few enough
 # that merging them into a tree stays cheap -- 5000 rows of 24 tokens took 15-30 ms to merge, half a pass
@@ -35,12 +33,13 @@ class RetrieveSettings:
             raise ValueError(f"continuation_len must be in 1..64, got {self.continuation_len}.")
 
 
-def query_suffix(context: Sequence[int], settings: RetrieveSettings) -> np.ndarray:
-    """The newest n_max context tokens: all that any lookup can use."""
-    return np.asarray(context[-settings.n_max:], dtype=np.int64)
+def query_suffix(context: Sequence[int], settings: RetrieveSettings) -> list[int]:
+    """The newest n_max context tokens, as Python integers: all that any lookup can use (the stores check a list of
+    ints without numpy)."""
+    return [int(t) for t in context[-settings.n_max:]]
 
 
-def retrieve(query: np.ndarray, stores: Sequence, settings: RetrieveSettings) -> list:
+def retrieve(query: Sequence[int], stores: Sequence, settings: RetrieveSettings) -> list:
     """One Lookup per store (datastores.Lookup), in the order the stores were given."""
     return [store.lookup(query, n_max=settings.n_max, n_min=settings.n_min,
                          max_matches=settings.max_matches, continuation_len=settings.continuation_len)

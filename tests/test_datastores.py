@@ -168,6 +168,17 @@ def test_static_no_match_and_short_context(tmp_path):
         store.lookup([1, 2], n_min=0)
 
 
+def test_a_step_of_bad_ids_is_refused_and_changes_nothing():
+    request = RequestStore([1, 2, 3, 1, 2])
+    for bad in ([4, -1], [SEP], [np.int64(-3)]):
+        with pytest.raises(DatastoreError):
+            request.extend(bad)
+        assert request.tokens.tolist() == [1, 2, 3, 1, 2]
+    request.extend([np.int64(3), 4])  # numpy integers take the array path
+    assert request.tokens.tolist() == [1, 2, 3, 1, 2, 3, 4]
+    assert request.lookup([2, 3]).continuations[:, 0].tolist() == [4, 1]
+
+
 # ---------------------------------------------------------------- dynamic stores
 @FAST
 @given(chunks=st.lists(st.lists(token, max_size=12), min_size=1, max_size=5), ctx=ctx_strategy,
@@ -223,7 +234,7 @@ def test_short_appends_hashed_in_python_index_the_same_n_grams_as_numpy(monkeypa
     def build():
         request = RequestStore(stream[:3], n_max=16, n_min=2)
         for a, b in zip(cuts, cuts[1:]):
-            request.extend(stream[a:b])
+            request.extend(stream[a:b].tolist())  # a list of ints, as the decoder hands over
         history = HistoryStore(n_max=16, n_min=2)
         for a, b in zip(cuts[:12], cuts[1:12]):
             history.add(stream[a:b])  # short answers: a separator, then the answer's n-grams only

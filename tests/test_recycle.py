@@ -108,6 +108,24 @@ def test_colliding_pairs_replace_each_other_and_never_answer_for_one_another():
             assert row.tolist() == [(p * 70_000 + 5) % 97, (p * 70_000 + 5) % 89]
 
 
+def test_a_few_nodes_observed_one_by_one_write_what_the_array_path_writes(monkeypatch):
+    rng = np.random.default_rng(3)
+    by_loop, by_arrays = RecycleStore(vocab_size=60, k=3), RecycleStore(vocab_size=60, k=3)
+    for step in range(300):
+        q = int(rng.integers(1, 17))  # the sizes the loop takes (up to FEW_NODES)
+        tokens = rng.integers(-2, 63, q)  # repeats and ids outside the vocabulary included
+        successors = rng.integers(0, 60, (q, 5))
+        previous = None if step % 7 == 0 else rng.integers(-2, 63, q)
+        by_loop.observe(tokens, successors, previous)
+        monkeypatch.setattr("datastores.recycle.FEW_NODES", 0)
+        by_arrays.observe(tokens, successors, previous)
+        monkeypatch.undo()
+    assert by_loop.known > 40 and by_loop.known_pairs > 100
+    for a, b in ((by_loop.table, by_arrays.table), (by_loop.pair_keys, by_arrays.pair_keys),
+                 (by_loop.pair_table, by_arrays.pair_table)):
+        assert np.array_equal(a, b)
+
+
 def test_the_table_persists_and_a_bad_file_is_refused(tmp_path):
     path = tmp_path / "t.npz"
     store = trained()
