@@ -138,9 +138,14 @@ class RecycleStore(StoreBase):
         if 0 <= previous < self.vocab_size:
             key = previous * self.vocab_size + token
             slot = _slot(key)
-            if self.pair_keys[slot] == key:
+            if self.pair_keys.item(slot) == key:
                 return self.pair_table[slot], True
         return self.table[token], False
+
+    def _successor_list(self, previous: int, token: int) -> tuple[list[int], bool]:
+        """`successors` as a list of Python ints (what drafting a tree reads, node by node)."""
+        row, paired = self.successors(previous, token)
+        return row.tolist(), paired
 
     def lookup(self, context: Any, n_max: int = 16, n_min: int = 2, max_matches: int = 5000,
                continuation_len: int = 10) -> Lookup:
@@ -152,14 +157,13 @@ class RecycleStore(StoreBase):
             return empty_lookup(self.source, continuation_len)  # a pair is only ever kept with its token
         previous, last = (tail[0] if len(tail) == 2 else -1), tail[-1]
         paths, masses, paired = self._grow(previous, last, continuation_len)
-        counts = np.round(np.array(masses) * ROW_SCALE).astype(np.int64)  # (paths,)
-        keep = counts > 0
-        if not keep.any():
+        # rows per path (round half to even, as numpy rounds); Python integers and two array calls in all, since
+        # right after a forward pass each distinct numpy operation runs from cold caches
+        kept = [(path, n) for path, n in zip(paths, (round(m * ROW_SCALE) for m in masses)) if n > 0]
+        if not kept:
             return empty_lookup(self.source, continuation_len)
-        rows = np.full((len(paths), continuation_len), -1, dtype=np.int64)
-        for i, p in enumerate(paths):
-            rows[i, :len(p)] = p
-        rows = np.repeat(rows[keep], counts[keep], axis=0)[:max_matches]
+        rows = np.array([path + (-1,) * (continuation_len - len(path)) for path, _ in kept], dtype=np.int64)
+        rows = np.repeat(rows, [n for _, n in kept], axis=0)[:max_matches]
         return Lookup(self.source, 2 if paired else 1, int(rows.shape[0]), rows)
 
     def _grow(self, previous: int, root: int, depth: int) -> tuple[list[tuple[int, ...]], list[float], bool]:
@@ -178,11 +182,11 @@ class RecycleStore(StoreBase):
             width = self.branching[d] if d < len(self.branching) else 1
             grown = []
             for path, before, tok, chance in frontier:
-                row, paired = self.successors(before, tok)
+                row, paired = self._successor_list(before, tok)
                 if d == 0:  # the root alone
                     root_paired = paired
                 prior = PAIR_PRIOR if paired else TOKEN_PRIOR
-                succ = [int(t) for t in row[:width] if t >= 0]
+                succ = [t for t in row[:width] if t >= 0]
                 children = [(path + (t,), tok, t, chance * prior[min(r, len(prior) - 1)])
                             for r, t in enumerate(succ)]
                 if path:

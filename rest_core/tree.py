@@ -3,7 +3,8 @@
 `build_draft_tree` merges every source's continuations into one prefix tree and
 keeps the `budget` prefixes with the highest weight (REST's Trie, vectorized):
 rows are sorted lexicographically once, so every prefix is a run of rows and
-its weight a difference of a cumulative sum.  Each source's rows share that
+its weight a difference of a cumulative sum (rest_core.native's draft_tree.cpp does the same in one call
+where it can be built, with bit-equal scores).  Each source's rows share that
 source's mixture weight equally (see `source_weight`), so a prefix's score is
 a mixture estimate of the chance that the text continues with it.  A child
 never scores above its parent and ties go to the shallower node, so the kept
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from rest_core import native
 
 if TYPE_CHECKING:
     from datastores import Lookup
@@ -167,6 +170,12 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
     if stacked is None:
         return root_only(root_token)
     rows, src, unit, names = stacked
+    total = float(np.bincount(src, minlength=unit.size) @ unit)  # as _prefix_candidates adds it up
+    found = native.draft_tree(rows, src, unit, budget, int(root_token), total)
+    if found is not None:  # the same nodes and scores, in one call (each numpy operation runs cold after a pass)
+        ints, floats = found
+        return DraftTree(ints[0], ints[1], ints[2], floats[0], [""] + [names[i] for i in ints[3, 1:].tolist()],
+                         floats[1], floats[2])
     c, total = _prefix_candidates(rows, src, unit, budget)
     if c["depth"].size == 0:
         return root_only(root_token)

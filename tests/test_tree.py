@@ -172,6 +172,44 @@ def test_thousands_of_prefixes_with_many_ties_give_the_same_tree():
         assert _same_tree(build_draft_tree(9, lookups, budget), prune_tree(build_draft_tree(9, lookups, 10**6), budget))
 
 
+def _numpy_path(monkeypatch):
+    """build_draft_tree without the native library (the path of a machine with no compiler)."""
+    monkeypatch.setattr("rest_core.native.draft_tree", lambda *args: None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lookups=lookups_strategy(), budget=st.integers(0, 40))
+def test_the_native_tree_is_the_numpy_tree_bit_for_bit(lookups, budget):
+    from rest_core import native
+    if native.draft_tree_library() is None:
+        return  # nothing to compare on a machine without a compiler
+    fast = build_draft_tree(9, lookups, budget)
+    saved = native.draft_tree
+    native.draft_tree = lambda *args: None
+    try:
+        reference = build_draft_tree(9, lookups, budget)
+    finally:
+        native.draft_tree = saved
+    assert _same_tree(fast, reference)
+
+
+def test_the_native_tree_matches_on_a_chat_sized_step_with_many_ties(monkeypatch):
+    from rest_core import native
+    assert native.draft_tree_library() is not None, native.unavailable()
+    rng = np.random.default_rng(12)
+    lookups = [OracleLookup("static", 2, 512, rng.integers(0, 5, size=(512, 24))),
+               OracleLookup("request", 5, 64, np.where(rng.random((64, 24)) < 0.1, -1, rng.integers(0, 4, (64, 24)))),
+               OracleLookup("answers", 3, 200, rng.integers(0, 3, size=(200, 24))),
+               OracleLookup("model", 1, 37, np.repeat(rng.integers(0, 4, size=(5, 24)), [20, 8, 5, 3, 1], axis=0))]
+    for lk in lookups[1:2]:  # rows cut short: a -1 stays to the row's end
+        lk.continuations[:] = np.where(np.logical_or.accumulate(lk.continuations < 0, axis=1), -1, lk.continuations)
+    fast = [build_draft_tree(9, lookups, budget) for budget in (1, 8, 63, 400)]
+    _numpy_path(monkeypatch)
+    for budget, tree in zip((1, 8, 63, 400), fast):
+        assert _same_tree(tree, build_draft_tree(9, lookups, budget)), budget
+    assert len(fast[-1]) == 401 and set(fast[-1].sources[1:]) == {"static", "request", "answers", "model"}
+
+
 def test_rows_sort_as_lexsort_sorts_them():
     rng = np.random.default_rng(3)
     for width in (1, 3, 24):

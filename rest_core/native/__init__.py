@@ -8,12 +8,14 @@ stretch per thread (the model's choices every step hands to the stores that lear
 `attention.cpp` computes attention for a few query rows over the key/value cache (grouped-query heads, a
 tree mask), reading the cache where it lies.
 `cache_rows.cpp` moves the accepted tree nodes' rows next to the prefix in every layer of the cache at once
-(REST's compaction after a verify pass).  Each is compiled with the machine's C++ compiler for this very
+(REST's compaction after a verify pass).  `draft_tree.cpp` merges the retrieved continuations into the draft
+tree's best prefixes in one call (the numpy path's nodes and bit-equal scores, without its ~60 numpy operations,
+each of which runs from cold caches right after a pass).  Each is compiled with the machine's C++ compiler for this very
 CPU (-march=native) into the cache (`<cache>/native/`, one file per machine key and source; the linear
 kernels linked to the OpenMP runtime torch already uses) and loaded with ctypes: no build step at install
 time, nothing to download.  Where there is no compiler, the build fails, or REST_LAB_NATIVE=0, `library()`
 / `top_k_library()` / `attention_library()` / `cache_rows_library()` return None and `unavailable()` says
-why for the linear kernel; the callers then keep their torch paths.
+why for the linear kernel; the callers then keep their torch (or numpy) paths.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ SOURCE = Path(__file__).with_name("blocked_linear.cpp")
 TOP_K_SOURCE = Path(__file__).with_name("row_top_k.cpp")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.cpp")
 CACHE_ROWS_SOURCE = Path(__file__).with_name("cache_rows.cpp")
+DRAFT_TREE_SOURCE = Path(__file__).with_name("draft_tree.cpp")
 MAX_TOP_K = 64  # the largest k row_top_k.cpp takes
 ENV = "REST_LAB_NATIVE"  # "0" / "off": never build or load the kernel
 PANEL = 16  # output columns per panel (the kernel's NB; checked against the library at load)
@@ -155,6 +158,43 @@ def keep_rows(buffers: list[torch.Tensor], start: int, nodes: np.ndarray) -> boo
     pointers = (ctypes.c_void_p * len(buffers))(*[t.data_ptr() for t in buffers])
     return not lib.rest_lab_keep_rows(pointers, len(buffers), b * h, capacity, d, first.element_size(),
                                       start, nodes.ctypes.data, len(nodes))
+
+
+def _declare_draft_tree(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rest_lab_draft_tree.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_double,
+                                        ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.rest_lab_draft_tree.restype = i64
+
+
+def draft_tree_library() -> Optional[ctypes.CDLL]:
+    """The loaded draft-tree library, built first if this machine has none yet; None when it cannot be had."""
+    return _optional_library(DRAFT_TREE_SOURCE, "draft-tree", False, _declare_draft_tree)
+
+
+def draft_tree(rows: np.ndarray, src: np.ndarray, unit: np.ndarray, budget: int, root: int,
+               total: float) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """The draft tree's `budget` best prefixes of the rows (`draft_tree.cpp`; rest_core.tree's numpy path gives
+    the same nodes and bit-equal scores): rows (k, L) int64 token ids (-1 after a row's end), src (k,) int64
+    each row's source index into unit (S,) float64, the weight of one row per source; `total` the root's score.
+    Returns (4, n) int64 (token, parent, depth, source index; the root first, its parent and source -1) and
+    (3, n) float64 (score, share, support), or None when the library cannot be had or the input is not of that
+    kind (the caller then takes the numpy path)."""
+    lib = draft_tree_library()
+    if (lib is None or rows.ndim != 2 or rows.dtype != np.int64 or src.dtype != np.int64
+            or unit.dtype != np.float64 or src.shape != rows.shape[:1] or not rows.flags.c_contiguous
+            or not src.flags.c_contiguous or not unit.flags.c_contiguous or budget < 0):
+        return None
+    ints = np.empty((4, budget + 1), dtype=np.int64)
+    floats = np.empty((3, budget + 1), dtype=np.float64)
+    at, room = ints.ctypes.data, 8 * (budget + 1)
+    fat = floats.ctypes.data
+    n = lib.rest_lab_draft_tree(rows.ctypes.data, rows.shape[0], rows.shape[1], src.ctypes.data, unit.ctypes.data,
+                                unit.size, budget, root, total, at, at + room, at + 2 * room, fat, at + 3 * room,
+                                fat + room, fat + 2 * room)
+    if n < 1:
+        return None
+    return ints[:, :n], floats[:, :n]
 
 
 def top_k_library() -> Optional[ctypes.CDLL]:
