@@ -156,11 +156,11 @@ class _NgramIndex:
         self.doc_start = 0  # first position of the document being appended to
         self.live_start = 0  # positions below this belong to dropped documents
 
-    def append(self, tokens: np.ndarray, new_doc: bool) -> None:
-        """Add tokens (int64, checked) to the stream, as a new document or to the last one."""
+    def append(self, tokens: np.ndarray | list[int], new_doc: bool) -> None:
+        """Add tokens (int64 or Python ints, checked) to the stream, as a new document or to the last one."""
         if new_doc and self.size:
             tokens = np.concatenate([np.array([SEP], dtype=np.int64), tokens])
-        k = tokens.size
+        k = len(tokens)
         if not k:
             return
         if self.size + k > self.toks.size:
@@ -170,18 +170,6 @@ class _NgramIndex:
         self.size += k
         if new_doc:
             self.doc_start = start + (1 if start else 0)
-        self._index(start)
-
-    def append_few(self, tokens: list[int]) -> None:
-        """`append` to the last document of a few checked Python integers (a decoding step's tokens)."""
-        k = len(tokens)
-        if not k:
-            return
-        if self.size + k > self.toks.size:
-            self.toks = np.resize(self.toks, max(2 * self.toks.size, self.size + k))
-        start = self.size
-        self.toks[start:start + k] = tokens
-        self.size += k
         self._index(start)
 
     def _index(self, first_new: int) -> None:
@@ -313,7 +301,7 @@ class RequestStore(StoreBase):
         """Append accepted tokens; indexes only the new n-grams."""
         if isinstance(tokens, list) and len(tokens) <= SMALL_APPEND and all(
                 type(t) is int and 0 <= t < SEP for t in tokens):  # a decoding step's: no arrays needed
-            self._index.append_few(tokens)
+            self._index.append(tokens, new_doc=False)
             return
         arr = query_tail(tokens, len(tokens))
         self._index.append(arr, new_doc=False)
