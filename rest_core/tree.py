@@ -174,6 +174,8 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
     found = native.draft_tree(rows, src, unit, budget, int(root_token), total)
     if found is not None:  # the same nodes and scores, in one call (each numpy operation runs cold after a pass)
         ints, floats = found
+        if ints.shape[1] == 1:  # no real prefix among the rows
+            return root_only(root_token)
         return DraftTree(ints[0], ints[1], ints[2], floats[0], [""] + [names[i] for i in ints[3, 1:].tolist()],
                          floats[1], floats[2])
     c, total = _prefix_candidates(rows, src, unit, budget)

@@ -204,9 +204,12 @@ def test_the_native_tree_matches_on_a_chat_sized_step_with_many_ties(monkeypatch
     for lk in lookups[1:2]:  # rows cut short: a -1 stays to the row's end
         lk.continuations[:] = np.where(np.logical_or.accumulate(lk.continuations < 0, axis=1), -1, lk.continuations)
     fast = [build_draft_tree(9, lookups, budget) for budget in (1, 8, 63, 400)]
+    blank = [OracleLookup("static", 2, 3, np.full((3, 4), -1))]  # rows without a token: the root alone
+    blank_fast = build_draft_tree(9, blank, 5)
     _numpy_path(monkeypatch)
     for budget, tree in zip((1, 8, 63, 400), fast):
         assert _same_tree(tree, build_draft_tree(9, lookups, budget)), budget
+    assert _same_tree(blank_fast, build_draft_tree(9, blank, 5)) and len(blank_fast) == 1
     assert len(fast[-1]) == 401 and set(fast[-1].sources[1:]) == {"static", "request", "answers", "model"}
 
 
