@@ -130,7 +130,9 @@ int64_t rest_lab_draft_tree(const int64_t* rows, int64_t k, int64_t L, const int
         out_score[node] = c.score;
         if (c.depth == 0) {
             out_parent[node] = 0;
-        } else {  // the kept prefix one shorter that holds this one's first row: the last at depth-1 starting at or before it
+        } else {
+            // the kept prefix one shorter that holds this one's first row: the last at depth - 1 starting at or
+            // before it (kept prefixes are closed under parents, so it is there)
             int64_t parent = -1;
             for (size_t p = j; p-- > 0;) {
                 if (cands[p].depth < c.depth - 1) break;
