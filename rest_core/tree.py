@@ -107,12 +107,12 @@ def row_order(rows: np.ndarray) -> np.ndarray:
     return np.argsort(keys.view(np.dtype((np.void, 8 * keys.shape[1]))).ravel(), kind="stable")
 
 
-def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray,
-                       budget: int | None = None) -> tuple[dict, float]:
+def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray, total: float,
+                       budget: int | None = None) -> dict:
     """Every distinct prefix of the rows that can be among the `budget` best as a candidate node (all of
     them when budget is None): depth, last token, score, first sorted row, parent candidate, dominant
-    source, its share and support, as flat arrays ordered by depth, then sorted-row order; plus the total
-    weight.  All depths at once: a prefix is a run of sorted rows that agree up to its depth.
+    source, its share and support, as flat arrays ordered by depth, then sorted-row order (`total`: the rows'
+    whole weight).  All depths at once: a prefix is a run of sorted rows that agree up to its depth.
 
     A step's rows can hold thousands of prefixes (512 continuations of 24 tokens from one store) of which
     the tree keeps a few dozen, so each prefix is first scored roughly (a float running sum of row
@@ -129,7 +129,6 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray,
     cum_src = np.zeros((unit.size, k + 1), dtype=np.int64)  # (S, k+1)
     for s_id in range(unit.size):
         cum_src[s_id, 1:] = np.cumsum(src == s_id)
-    total = float(cum_src[:, -1] @ unit)
     source_total = cum_src[:, -1] * unit  # (S,) each source's whole weight
 
     depth, start = np.nonzero(new_group.T)  # every prefix: (depth - 1, first row), by depth then row
@@ -160,7 +159,7 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray,
     return {"depth": depth + 1, "token": rows[start, depth], "score": by_src.sum(axis=0), "start": start,
             "parent": parent, "source": dominant,
             "share": by_src[dominant, idx] / np.maximum(source_total[dominant], 1e-300),
-            "support": rows_src[dominant, idx].astype(float)}, total
+            "support": rows_src[dominant, idx].astype(float)}
 
 
 def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
@@ -170,7 +169,7 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
     if stacked is None:
         return root_only(root_token)
     rows, src, unit, names = stacked
-    total = float(np.bincount(src, minlength=unit.size) @ unit)  # as _prefix_candidates adds it up
+    total = float(np.bincount(src, minlength=unit.size) @ unit)  # the whole weight: the root's score
     found = native.draft_tree(rows, src, unit, budget, int(root_token), total)
     if found is not None:  # the same nodes and scores, in one call (each numpy operation runs cold after a pass)
         ints, floats = found
@@ -178,7 +177,7 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
             return root_only(root_token)
         return DraftTree(ints[0], ints[1], ints[2], floats[0], [""] + [names[i] for i in ints[3, 1:].tolist()],
                          floats[1], floats[2])
-    c, total = _prefix_candidates(rows, src, unit, budget)
+    c = _prefix_candidates(rows, src, unit, total, budget)
     if c["depth"].size == 0:
         return root_only(root_token)
 

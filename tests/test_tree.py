@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from unittest.mock import patch
 
 import numpy as np
 import torch
@@ -146,6 +147,11 @@ def test_pruning_a_tree_equals_building_it_with_the_smaller_budget(lookups, big,
     assert pruned.children == direct.children
 
 
+def numpy_tree():
+    """build_draft_tree on its numpy path (a machine without a compiler), inside a with block."""
+    return patch("rest_core.native.draft_tree", lambda *args: None)
+
+
 def _same_tree(a, b) -> bool:
     return (a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
             and a.depths.tolist() == b.depths.tolist() and a.scores.tolist() == b.scores.tolist()
@@ -158,7 +164,9 @@ def _same_tree(a, b) -> bool:
 def test_scoring_only_the_prefixes_near_the_budget_gives_the_tree_all_prefixes_give(lookups, budget):
     """Only prefixes within rounding of the budget-th best rough score are scored exactly; with a budget
     above the number of prefixes every one is. The kept nodes, scores, sources and shares are the same."""
-    assert _same_tree(build_draft_tree(9, lookups, budget), prune_tree(build_draft_tree(9, lookups, 10**6), budget))
+    with numpy_tree():
+        assert _same_tree(build_draft_tree(9, lookups, budget),
+                          prune_tree(build_draft_tree(9, lookups, 10**6), budget))
 
 
 def test_thousands_of_prefixes_with_many_ties_give_the_same_tree():
@@ -168,13 +176,10 @@ def test_thousands_of_prefixes_with_many_ties_give_the_same_tree():
     lookups = [OracleLookup("static", 2, 512, rng.integers(0, 5, size=(512, 24))),
                OracleLookup("answers", 3, 200, rng.integers(0, 3, size=(200, 24))),
                OracleLookup("model", 1, 37, np.repeat(rng.integers(0, 4, size=(5, 24)), [20, 8, 5, 3, 1], axis=0))]
-    for budget in (1, 8, 63):
-        assert _same_tree(build_draft_tree(9, lookups, budget), prune_tree(build_draft_tree(9, lookups, 10**6), budget))
-
-
-def _numpy_path(monkeypatch):
-    """build_draft_tree without the native library (the path of a machine with no compiler)."""
-    monkeypatch.setattr("rest_core.native.draft_tree", lambda *args: None)
+    with numpy_tree():
+        for budget in (1, 8, 63):
+            assert _same_tree(build_draft_tree(9, lookups, budget),
+                              prune_tree(build_draft_tree(9, lookups, 10**6), budget))
 
 
 @settings(max_examples=150, deadline=None)
@@ -184,16 +189,11 @@ def test_the_native_tree_is_the_numpy_tree_bit_for_bit(lookups, budget):
     if native.draft_tree_library() is None:
         return  # nothing to compare on a machine without a compiler
     fast = build_draft_tree(9, lookups, budget)
-    saved = native.draft_tree
-    native.draft_tree = lambda *args: None
-    try:
-        reference = build_draft_tree(9, lookups, budget)
-    finally:
-        native.draft_tree = saved
-    assert _same_tree(fast, reference)
+    with numpy_tree():
+        assert _same_tree(fast, build_draft_tree(9, lookups, budget))
 
 
-def test_the_native_tree_matches_on_a_chat_sized_step_with_many_ties(monkeypatch):
+def test_the_native_tree_matches_on_a_chat_sized_step_with_many_ties():
     from rest_core import native
     assert native.draft_tree_library() is not None, native.unavailable()
     rng = np.random.default_rng(12)
@@ -206,10 +206,10 @@ def test_the_native_tree_matches_on_a_chat_sized_step_with_many_ties(monkeypatch
     fast = [build_draft_tree(9, lookups, budget) for budget in (1, 8, 63, 400)]
     blank = [OracleLookup("static", 2, 3, np.full((3, 4), -1))]  # rows without a token: the root alone
     blank_fast = build_draft_tree(9, blank, 5)
-    _numpy_path(monkeypatch)
-    for budget, tree in zip((1, 8, 63, 400), fast):
-        assert _same_tree(tree, build_draft_tree(9, lookups, budget)), budget
-    assert _same_tree(blank_fast, build_draft_tree(9, blank, 5)) and len(blank_fast) == 1
+    with numpy_tree():
+        for budget, tree in zip((1, 8, 63, 400), fast):
+            assert _same_tree(tree, build_draft_tree(9, lookups, budget)), budget
+        assert _same_tree(blank_fast, build_draft_tree(9, blank, 5)) and len(blank_fast) == 1
     assert len(fast[-1]) == 401 and set(fast[-1].sources[1:]) == {"static", "request", "answers", "model"}
 
 

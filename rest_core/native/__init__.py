@@ -14,8 +14,8 @@ each of which runs from cold caches right after a pass).  Each is compiled with 
 CPU (-march=native) into the cache (`<cache>/native/`, one file per machine key and source; the linear
 kernels linked to the OpenMP runtime torch already uses) and loaded with ctypes: no build step at install
 time, nothing to download.  Where there is no compiler, the build fails, or REST_LAB_NATIVE=0, `library()`
-/ `top_k_library()` / `attention_library()` / `cache_rows_library()` return None and `unavailable()` says
-why for the linear kernel; the callers then keep their torch (or numpy) paths.
+/ `top_k_library()` / `attention_library()` / `cache_rows_library()` / `draft_tree_library()` return None
+and `unavailable()` says why for the linear kernel; the callers then keep their torch (or numpy) paths.
 """
 from __future__ import annotations
 
@@ -187,11 +187,11 @@ def draft_tree(rows: np.ndarray, src: np.ndarray, unit: np.ndarray, budget: int,
         return None
     ints = np.empty((4, budget + 1), dtype=np.int64)
     floats = np.empty((3, budget + 1), dtype=np.float64)
-    at, room = ints.ctypes.data, 8 * (budget + 1)
-    fat = floats.ctypes.data
+    row = 8 * (budget + 1)  # bytes per row of either array
+    token, parent, depth, source = (ints.ctypes.data + i * row for i in range(4))
+    score, share, support = (floats.ctypes.data + i * row for i in range(3))
     n = lib.rest_lab_draft_tree(rows.ctypes.data, rows.shape[0], rows.shape[1], src.ctypes.data, unit.ctypes.data,
-                                unit.size, budget, root, total, at, at + room, at + 2 * room, fat, at + 3 * room,
-                                fat + room, fat + 2 * room)
+                                unit.size, budget, root, total, token, parent, depth, score, source, share, support)
     if n < 1:
         return None
     return ints[:, :n], floats[:, :n]
