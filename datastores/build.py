@@ -381,7 +381,9 @@ def _build(out: Path, write_tokens, tok_info: dict, source_records, max_tokens: 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return TokenDatastore.open(out)
+    store = TokenDatastore.open(out)
+    store.first_token_table(wait=True)  # built and saved with the store, so its first lookups have it
+    return store
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -135,6 +135,59 @@ def test_static_lookup_equals_brute_force(docs, ctx, n_max, n_min, max_matches, 
         assert rows(got.continuations) == [brute_row(stream, i, L) for i in chosen]
 
 
+@FAST
+@given(docs=st.lists(st.lists(st.sampled_from([0, 1, 2, 3, 9, 70000]), max_size=30), min_size=1, max_size=5)
+       .filter(lambda d: any(d)),
+       ctx=st.lists(st.sampled_from([0, 1, 2, 3, 4, 9, 70000, 70001, 2**20]), max_size=20),
+       n_max=st.integers(1, 8), n_min=st.integers(1, 3), max_matches=st.integers(1, 6))
+def test_the_first_token_table_changes_no_lookup(docs, ctx, n_max, n_min, max_matches):
+    """A lookup searches only the ranks that end with the query's newest token: the same answer as searching
+    them all and as a scan of the stream, for tokens the store holds, lacks, or holds beyond the table."""
+    n_min = min(n_min, n_max)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = static_store(tmp, docs)
+        assert store.first_token_table()
+        got = store.lookup(ctx, n_max=n_max, n_min=n_min, max_matches=max_matches, continuation_len=3)
+        table, store._first = store._first, None
+        every = store.lookup(ctx, n_max=n_max, n_min=n_min, max_matches=max_matches, continuation_len=3)
+        store._first = table
+        store.close()
+    n, occ = brute_match(join_docs(docs), ctx, n_max, n_min)
+    assert (got.matched_len, got.total_matches) == (every.matched_len, every.total_matches) == (n, len(occ))
+    assert rows(got.continuations) == rows(every.continuations)
+
+
+def test_the_first_token_table_is_saved_checked_and_rebuilt(tmp_path):
+    docs = [[5, 1, 2, 40 + k] for k in range(30)] + [[9, 1, 2, 77]]
+    store = build_from_token_documents(tmp_path / "s", docs)
+    saved = list((tmp_path / "s").glob("first-token-*.i64"))
+    assert len(saved) == 1 and store.first_token_table(wait=False)  # written with the store
+    want = store.lookup([9, 1, 2], n_max=2, max_matches=1, continuation_len=1)
+    table = np.fromfile(saved[0], dtype="<i8")
+    assert table[-1] == sum(len(d) for d in docs) and table[1] == 0 and table[2] - table[1] == 31  # 31 ones
+    reopened = TokenDatastore.open(tmp_path / "s")
+    assert reopened._read_first_table() is not None  # the saved table fits: read, not counted again
+    bad = table.copy()
+    bad[[5, 9]] = bad[[9, 5]]  # out of order: not used, counted afresh and saved again
+    bad.tofile(saved[0])
+    assert reopened._read_first_table() is None
+    fixed = TokenDatastore.open(tmp_path / "s")
+    assert fixed.first_token_table() and np.array_equal(np.fromfile(saved[0], dtype="<i8"), table)
+    saved[0].write_bytes(b"\0" * 12)  # truncated
+    again = TokenDatastore.open(tmp_path / "s")
+    got = again.lookup([9, 1, 2], n_max=2, max_matches=1, continuation_len=1)
+    assert rows(got.continuations) == rows(want.continuations) == [(77,)]
+    TokenDatastore.open(tmp_path / "s").verify()  # the derived file is no part of the store's checksums
+
+
+def test_a_store_with_ids_beyond_any_vocabulary_searches_every_rank(tmp_path):
+    store = build_from_token_documents(tmp_path / "s", [[1, 2, 2**31 + 5, 3], [1, 2, 4]])
+    assert not store.first_token_table() and not list((tmp_path / "s").glob("first-token-*"))
+    assert store.lookup([2**31 + 5, 3], n_max=2, continuation_len=1).matched_len == 0  # ends the document
+    assert rows(store.lookup([1, 2], n_max=2, continuation_len=1).continuations) in ([(2**31 + 5,), (4,)],
+                                                                                     [(4,), (2**31 + 5,)])
+
+
 def test_static_many_matches_prefer_shared_left_context(tmp_path):
     # "9 1 2" occurs once among many "x 1 2": with max_matches=1 the chosen one must be
     # the occurrence whose earlier token also agrees with the context.
