@@ -76,6 +76,9 @@ CELLS = DEPTHS * len(SUPPORT) * (len(BINS) - 1)  # cells per kind of count, flat
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind the prior in each cell: learning wins soon
 PRIOR_SCALE = 0.4  # the prior: this fraction of the ratio
 MAX_COUNT = 5000.0  # per cell: older observations fade so the calibration keeps adapting
+FEW_NODES = 16  # trees of up to this many drafts learn in Python numbers (CostModel._observe_few)
+_BINS_LIST, _SUPPORT_LIST = BINS.tolist(), SUPPORT.tolist()
+_CELL_INDEX = [tuple(int(i) for i in np.unravel_index(c, SHAPE[1:])) for c in range(CELLS)]  # flat cell -> index
 STATS_VERSION = 3  # 3: the model source drafts from pairs of tokens too (its cells mean other things)
 REQUEST_WEIGHT = 4.0  # expected acceptances behind each request's correction: a few steps move it
 MAX_CHANCE = 0.99  # a corrected conditional chance stays below certainty
@@ -247,7 +250,9 @@ class CostModel:
     def observe(self, tree: DraftTree, accepted_nodes: list[int], forward_ms: float) -> None:
         """Learn from one verified step: which nodes were accepted, and what the pass cost."""
         q = len(tree)
-        if q > 1:
+        if 1 < q <= FEW_NODES + 1:
+            self._observe_few(tree, accepted_nodes)
+        elif q > 1:
             found = _cells(tree)
             _, cell, sources = found
             expected, _ = self._from_cells(tree, found)  # the cells' chances before this step joins them
@@ -269,6 +274,51 @@ class CostModel:
                 if full.any():  # older observations fade so the calibration keeps adapting
                     c *= np.where(full, MAX_COUNT / np.maximum(c[0], 1.0), 1.0)
         self._refresh_curve(q, forward_ms)
+
+    def _observe_few(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
+        """`observe`'s counting for a tree of a few nodes, in Python numbers: the same cells, the same counts added
+        once per cell, the same fading. Right after a forward pass each distinct numpy operation runs from cold
+        caches, and the array path's ~30 of them were most of what the cost model's learning cost per step. The
+        request's sums add node by node where numpy sums in blocks of 8 (at most the last bit apart)."""
+        parents, depths = tree.parents.tolist(), tree.depths.tolist()
+        shares, support, names = tree.shares.tolist(), tree.support.tolist(), tree.sources
+        taken = set(accepted_nodes)
+        taken.add(0)  # the root is always "accepted"
+        bins, sup_edges = _BINS_LIST, _SUPPORT_LIST
+        per: dict[str, list] = {}  # source -> [accepted, predicted, {cell: [drafted, hits]}]
+        for node in range(1, len(parents)):
+            parent = parents[node]
+            if parent not in taken:
+                continue  # the parent was rejected: this node was never put to the test
+            name, share = names[node], shares[node]
+            parent_share = shares[parent]
+            ratio = share / max(parent_share, 1e-12) if names[parent] == name and parent_share > 0 else share
+            ratio = min(max(ratio, 0.0), 1.0)
+            depth = min(depths[node] - 1, DEPTHS - 1)
+            sup = min(bisect.bisect_right(sup_edges, support[node]) - 1, len(sup_edges) - 1)
+            rbin = min(bisect.bisect_right(bins, ratio) - 1, len(bins) - 2)
+            cell = (depth * len(sup_edges) + sup) * (len(bins) - 1) + rbin
+            counts = self._counts(name)
+            drafted, accepted = counts.item(0, *_CELL_INDEX[cell]), counts.item(1, *_CELL_INDEX[cell])
+            expected = (accepted + PRIOR_WEIGHT * PRIOR_SCALE * ratio) / (drafted + PRIOR_WEIGHT)
+            hit = 1.0 if node in taken else 0.0
+            entry = per.setdefault(name, [0.0, 0.0, {}])
+            entry[0] += hit
+            entry[1] += expected
+            at = entry[2].setdefault(cell, [0, 0.0])
+            at[0] += 1
+            at[1] += hit
+        for name, (hits, predicted, cells) in per.items():
+            accepted, before = self._request.get(name, (0.0, 0.0))
+            self._request[name] = (accepted + hits, before + predicted)
+            c = self._counts(name)
+            for cell, (n, h) in cells.items():
+                d, u, r = _CELL_INDEX[cell]
+                c[0, d, u, r] += n
+                c[1, d, u, r] += h
+            full = c[0] > MAX_COUNT
+            if full.any():  # older observations fade so the calibration keeps adapting
+                c *= np.where(full, MAX_COUNT / np.maximum(c[0], 1.0), 1.0)
 
     def _refresh_curve(self, q: int, forward_ms: float) -> None:
         """Refresh the curve with a real step's timing, as a level times a shape.

@@ -462,3 +462,49 @@ def test_the_decoder_reports_why_the_cost_model_kept_what_it_kept(tiny_lm):
     fixed = []
     dec.generate(list(request), DecodeConfig(max_new_tokens=6, draft_budget=3), hook=fixed.append)
     assert all(s.budget_choice is None for s in fixed), "a fixed budget: no cost model chose"
+
+
+def test_a_few_nodes_learn_in_python_numbers_exactly_as_the_array_path(monkeypatch):
+    """Trees of up to FEW_NODES drafts are counted node by node in Python: on 300 random trees of several
+    sources, random accepted paths and random earlier counts (some cells at the fading limit), the counts come
+    out bit for bit as the array path's and the request's sums within rounding."""
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        lookups = []
+        for source in rng.choice(["static", "request", "model", "answers"], size=rng.integers(1, 4), replace=False):
+            k = int(rng.integers(1, 12))
+            rows = rng.integers(10, 14, size=(k, int(rng.integers(1, 6))))
+            lookups.append(OracleLookup(str(source), int(rng.integers(1, 5)), k, rows))
+        tree = build_draft_tree(1, lookups, budget=int(rng.integers(1, cost.FEW_NODES + 1)),
+                                base_weights={"model": 0.5})
+        if len(tree) < 2:
+            continue
+        path, node = [0], 0
+        while True:  # walk down while a coin says the model agreed
+            kids = [i for i in range(1, len(tree)) if tree.parents[i] == node]
+            if not kids or rng.random() < 0.3:
+                break
+            node = int(rng.choice(kids))
+            path.append(node)
+        models = []
+        for _ in range(2):
+            m = CostModel(times_ms=curve(50.0, 1.0))
+            r = np.random.default_rng(trial)
+            for name in ("static", "request", "model", "answers"):
+                c = m._counts(name)
+                c[...] = np.round(r.random(cost.SHAPE) * 30, 3)
+                c[0] += np.where(r.random(cost.SHAPE[1:]) < 0.1, cost.MAX_COUNT - 0.5, 0.0)
+                c[1] = np.minimum(c[1], c[0])
+            m._request = {"request": (1.5, 2.25)}
+            models.append(m)
+        few, array = models
+        few.observe(tree, path, forward_ms=50.0)
+        monkeypatch.setattr(cost, "FEW_NODES", 0)
+        array.observe(tree, path, forward_ms=50.0)
+        monkeypatch.setattr(cost, "FEW_NODES", 16)
+        assert few.counts.keys() == array.counts.keys()
+        for name in few.counts:
+            assert np.array_equal(few.counts[name], array.counts[name]), (trial, name)
+        assert few._request.keys() == array._request.keys()
+        for name, (acc, pred) in few._request.items():
+            assert acc == array._request[name][0] and pred == pytest.approx(array._request[name][1], rel=1e-12)
