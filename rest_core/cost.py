@@ -270,16 +270,15 @@ class CostModel:
                 at = cell[rows]
                 c[0] += np.bincount(at, minlength=CELLS).reshape(SHAPE[1:])
                 c[1] += np.bincount(at, weights=hit[rows], minlength=CELLS).reshape(SHAPE[1:])
-                full = c[0] > MAX_COUNT
-                if full.any():  # older observations fade so the calibration keeps adapting
-                    c *= np.where(full, MAX_COUNT / np.maximum(c[0], 1.0), 1.0)
+                _fade(c)
         self._refresh_curve(q, forward_ms)
 
     def _observe_few(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
         """`observe`'s counting for a tree of a few nodes, in Python numbers: the same cells, the same counts added
         once per cell, the same fading. Right after a forward pass each distinct numpy operation runs from cold
         caches, and the array path's ~30 of them were most of what the cost model's learning cost per step. The
-        request's sums add node by node where numpy sums in blocks of 8 (at most the last bit apart)."""
+        request's sums add node by node where numpy sums in blocks of 8 (at most the last bit apart). The cell of a
+        node is `_cells`' arithmetic on one node (tests/test_cost.py holds the two paths to the same counts)."""
         parents, depths = tree.parents.tolist(), tree.depths.tolist()
         shares, support, names = tree.shares.tolist(), tree.support.tolist(), tree.sources
         taken = set(accepted_nodes)
@@ -316,9 +315,7 @@ class CostModel:
                 d, u, r = _CELL_INDEX[cell]
                 c[0, d, u, r] += n
                 c[1, d, u, r] += h
-            full = c[0] > MAX_COUNT
-            if full.any():  # older observations fade so the calibration keeps adapting
-                c *= np.where(full, MAX_COUNT / np.maximum(c[0], 1.0), 1.0)
+            _fade(c)
 
     def _refresh_curve(self, q: int, forward_ms: float) -> None:
         """Refresh the curve with a real step's timing, as a level times a shape.
@@ -447,6 +444,14 @@ def _interp(x: float, xs: Sequence[int], ys: Sequence[float]) -> float:
         return float(ys[-1])
     slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
     return slope * (x - xs[j]) + ys[j]
+
+
+def _fade(counts: np.ndarray) -> None:
+    """A source's counts after a step: cells past MAX_COUNT drafted are scaled back to it, so older
+    observations fade and the calibration keeps adapting."""
+    full = counts[0] > MAX_COUNT
+    if full.any():
+        counts *= np.where(full, MAX_COUNT / np.maximum(counts[0], 1.0), 1.0)
 
 
 def _cells(tree: DraftTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
