@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from datastores.common import (
+    SEP,
     DatastoreError,
     Lookup,
     StoreBase,
@@ -65,7 +66,6 @@ SAMPLE_BLOCK_BYTES = 1 << 16
 FIRST_TOKEN_AT_ONCE = 1 << 22  # stores up to this size compute a missing first-token table at open (milliseconds);
 # larger ones in a background thread (~1 s per 50M tokens), searching every rank until it is ready
 FIRST_TOKEN_MAX_ID = 1 << 22  # a store holding larger token ids (no tokenizer has them) keeps no table
-SEP_ID = 0xFFFFFFFF  # the document separator in tokens.u32 (datastores.build.SEP)
 
 REQUIRED_META = {"format": str, "format_version": int, "tokenizer": dict, "sources": list,
                  "n_tokens": int, "n_docs": int, "built_at": str, "build": dict, "files": dict}
@@ -248,7 +248,7 @@ class TokenDatastore(StoreBase):
         chunk = 1 << 24
         for a in range(0, tokens.size, chunk):
             part = tokens[a:a + chunk]
-            part = part[part != SEP_ID]
+            part = part[part != SEP]
             if part.size:
                 if int(part.max()) >= FIRST_TOKEN_MAX_ID:
                     return  # ids no vocabulary has: search every rank

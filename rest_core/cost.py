@@ -78,7 +78,6 @@ PRIOR_SCALE = 0.4  # the prior: this fraction of the ratio
 MAX_COUNT = 5000.0  # per cell: older observations fade so the calibration keeps adapting
 FEW_NODES = 16  # trees of up to this many drafts learn in Python numbers (CostModel._observe_few)
 _BINS_LIST, _SUPPORT_LIST = BINS.tolist(), SUPPORT.tolist()
-_CELL_INDEX = [tuple(int(i) for i in np.unravel_index(c, SHAPE[1:])) for c in range(CELLS)]  # flat cell -> index
 STATS_VERSION = 3  # 3: the model source drafts from pairs of tokens too (its cells mean other things)
 REQUEST_WEIGHT = 4.0  # expected acceptances behind each request's correction: a few steps move it
 MAX_CHANCE = 0.99  # a corrected conditional chance stays below certainty
@@ -298,7 +297,7 @@ class CostModel:
             rbin = min(bisect.bisect_right(bins, ratio) - 1, len(bins) - 2)
             cell = (depth * len(sup_edges) + sup) * (len(bins) - 1) + rbin
             counts = self._counts(name)
-            drafted, accepted = counts.item(0, *_CELL_INDEX[cell]), counts.item(1, *_CELL_INDEX[cell])
+            drafted, accepted = counts.item(cell), counts.item(CELLS + cell)  # flat: (drafted, accepted) per cell
             expected = (accepted + PRIOR_WEIGHT * PRIOR_SCALE * ratio) / (drafted + PRIOR_WEIGHT)
             hit = 1.0 if node in taken else 0.0
             entry = per.setdefault(name, [0.0, 0.0, {}])
@@ -312,9 +311,8 @@ class CostModel:
             self._request[name] = (accepted + hits, before + predicted)
             c = self._counts(name)
             for cell, (n, h) in cells.items():
-                d, u, r = _CELL_INDEX[cell]
-                c[0, d, u, r] += n
-                c[1, d, u, r] += h
+                c.flat[cell] += n
+                c.flat[CELLS + cell] += h
             _fade(c)
 
     def _refresh_curve(self, q: int, forward_ms: float) -> None:
