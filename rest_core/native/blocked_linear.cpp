@@ -28,6 +28,11 @@ constexpr int64_t NB = 16;           // output columns per panel
 constexpr int VPR = NB / LANES;      // vectors per panel row
 constexpr int64_t AHEAD = 4096;      // floats of panel prefetched ahead (16 KB), at every row count: on a Xeon
                                      // that beat leaving 1-5 rows to the hardware prefetcher
+constexpr int LOCALITY = 1;          // ... into L2 only (prefetcht2 on x86), not L1: the panel is read once, and
+                                     // pulled into L1 16 KB ahead it pushed the block's x rows (18 KB for 8
+                                     // rows) out of a 32 KB L1.  On a Zen 4 that made 6-12 rows cost what one
+                                     // row costs inside a verify pass (8 rows: 1.4x the time of one row with
+                                     // prefetches into L1) and 16 rows 15% less; 1-4 rows unchanged
 constexpr int IN_PLACE = 8;          // blocks of up to this many rows read x where it is (a register per row
                                      // holds each row's address); larger ones read it transposed, since the
                                      // 16 row addresses of an AVX-512 block do not fit the 16 general-purpose
@@ -46,7 +51,7 @@ inline __attribute__((always_inline)) void micro(const float* x, const float* xt
     for (int v = 0; v < VPR; ++v) acc[j][v] = b[v];
   for (int64_t k = 0; k < K; ++k) {
     const float* p = panel + k * NB;
-    __builtin_prefetch(p + AHEAD, 0, 3);
+    __builtin_prefetch(p + AHEAD, 0, LOCALITY);
     vec w[VPR];
     for (int v = 0; v < VPR; ++v) w[v] = *(const vec*)(p + v * LANES);
     for (int j = 0; j < R; ++j) {
