@@ -51,26 +51,34 @@ def source_at(rev: str, folder: Path) -> Path:
     return path
 
 
-def load_build(source: Path) -> Callable:
-    """The kernel function of `source`, compiled for this machine (cached like the kernel itself)."""
+def load_build(source: Path) -> tuple[Callable, Callable]:
+    """The kernel functions of `source` (blocks read in place; tall blocks, the first again where that source
+    has none), compiled for this machine (cached like the kernel itself)."""
     lib = native.load_library(source, "blocked-linear")
-    return lib.rest_lab_panel_linear
+    short = lib.rest_lab_panel_linear
+    return short, (lib.rest_lab_panel_linear_tall if hasattr(lib, "rest_lab_tall_rows") else short)
 
 
 class _Timed:
-    """A kernel function whose calls' time is summed."""
+    """A build's two kernel functions, their calls' time summed."""
 
-    def __init__(self, fn: Callable):
-        self.fn, self.seconds = fn, 0.0
+    def __init__(self, fns: tuple[Callable, Callable]):
+        self.fns, self.seconds = fns, 0.0
 
-    def __call__(self, *args) -> None:
+    def _run(self, fn: Callable, args) -> None:
         t0 = time.perf_counter()
-        self.fn(*args)
+        fn(*args)
         self.seconds += time.perf_counter() - t0
+
+    def short(self, *args) -> None:
+        self._run(self.fns[0], args)
+
+    def tall(self, *args) -> None:
+        self._run(self.fns[1], args)
 
 
 @torch.inference_mode()
-def compare(lm: LoadedModel, builds: dict[str, Callable], prefixes: Sequence[int], qs: Sequence[int],
+def compare(lm: LoadedModel, builds: dict[str, tuple[Callable, Callable]], prefixes: Sequence[int], qs: Sequence[int],
             rounds: int) -> dict:
     """{prefix: {build: {q: {"pass_ms", "kernel_ms", "x_one"}}}, "max_logit_diff": {prefix: {q: float}}}: medians
     over `rounds` interleaved rounds after one untimed warm-up round."""
@@ -88,7 +96,7 @@ def compare(lm: LoadedModel, builds: dict[str, Callable], prefixes: Sequence[int
                 ids = {q: run.random_ids(q) for q in qs}  # the same tokens for both builds in a round
                 logits: dict = defaultdict(list)
                 for name in (names if r % 2 else names[::-1]):
-                    native.use_kernel(timed[name])
+                    native.use_kernel(timed[name].short, timed[name].tall)
                     for q in qs:
                         timed[name].seconds = 0.0
                         ms = run(q, ids[q])
@@ -104,7 +112,7 @@ def compare(lm: LoadedModel, builds: dict[str, Callable], prefixes: Sequence[int
                 out[p][name] = {q: {"pass_ms": round(float(med[q][0]), 2), "kernel_ms": round(float(med[q][1]), 2),
                                     "x_one": round(float(med[q][0] / med[qs[0]][0]), 3)} for q in qs}
     finally:
-        native.use_kernel(kept)
+        native.use_kernel(*kept)
     return out
 
 

@@ -62,7 +62,7 @@ def tuned_tiny(kernel: str = "packed"):
     return lm, reference
 
 
-@pytest.mark.parametrize("kernel", ["packed", "transposed", "blocked"])
+@pytest.mark.parametrize("kernel", ["packed", "transposed", "blocked", "blocked_tall"])
 def test_every_linear_is_swapped_and_gives_the_default_logits(kernel):
     lm, reference = tuned_tiny(kernel)
     linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
@@ -77,7 +77,7 @@ def test_every_linear_is_swapped_and_gives_the_default_logits(kernel):
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (q, (got - want).abs().max())
 
 
-@pytest.mark.parametrize("kernel", ["packed", "transposed", "blocked"])
+@pytest.mark.parametrize("kernel", ["packed", "transposed", "blocked", "blocked_tall"])
 def test_tree_passes_with_a_cache_match_the_default_kernels(kernel):
     """A verify pass (tree mask, DynamicCache) over q nodes: the same logits as transformers' layers."""
     lm, reference = tuned_tiny(kernel)
@@ -113,22 +113,26 @@ def test_each_kernel_computes_the_layer_with_its_bias_for_any_leading_shape():
             layer.blocked_forward(torch.randn(2, 24, dtype=torch.float64))
 
 
-def test_the_blocked_kernel_gives_every_row_count_its_own_sums():
-    """Rows go through the registers in blocks (16 with AVX-512, 6 with AVX2) and a shorter block for the rest:
-    every count up to three blocks and past, each row's outputs from that row alone, every column of a last
-    panel that is not full."""
+@pytest.mark.parametrize("tall", [False, True])
+def test_the_blocked_kernel_gives_every_row_count_its_own_sums(tall):
+    """Rows go through the registers in blocks (read in place: 8 with AVX-512, 6 with AVX2; tall, from a
+    transposed copy: 16 with AVX-512) and a shorter block for the rest: every count up to three blocks and past,
+    each row's outputs from that row alone, every column of a last panel that is not full."""
     torch.manual_seed(1)
     layer = TunedLinear(torch.nn.Linear(40, 37, bias=True))
     assert layer.pack_panels(), native.unavailable()
-    held = native.register_rows()
-    assert held in (6, 16)
+    short, high = native.register_rows(), native.tall_rows()
+    assert (short, high) in ((6, 0), (8, 16))
+    held = (high or short) if tall else short
+    forward = layer.blocked_tall_forward if tall else layer.blocked_forward
     with torch.inference_mode():
         for rows in range(1, 3 * held + 3):
             x = torch.randn(rows, 40)
-            got, want = layer.blocked_forward(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
+            got, want = forward(x), torch.nn.functional.linear(x, layer.weight, layer.bias)
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), rows
-            alone = layer.blocked_forward(x[-1:].clone())  # the last row on its own: a block of one
+            alone = forward(x[-1:].clone())  # the last row on its own: a block of one
             assert torch.equal(got[-1:], alone), rows  # the same sums in the same order, bit for bit
+            assert torch.equal(got, layer.blocked_forward(x) if tall else got)  # both heights: the same sums
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -348,8 +352,8 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     monkeypatch.setattr(kernels, "machine_key", lambda: "machine-a")
     choice = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     # a cache in which the blocked kernel won everywhere
-    choice.timings_ms = {shape: {r: {"default": 10.0, "packed": 10.0, "transposed": 10.0, "blocked": 1.0}
-                                 for r in ROWS} for shape in choice.kernel}
+    choice.timings_ms = {shape: {r: {"default": 10.0, "packed": 10.0, "transposed": 10.0, "blocked": 1.0,
+                                     "blocked_tall": 2.0} for r in ROWS} for shape in choice.kernel}
     kernels._write_cache(kernels._cache_path("tiny-random"), choice)
     measured = []
     real = kernels._measure
@@ -367,7 +371,8 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     monkeypatch.setattr(native, "_lib", None)  # now it cannot be had: a cache that needs it is not trusted
     monkeypatch.setattr(native, "_tried", True)
     redone = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
-    assert measured == [1, 1] and not any(redone.uses(shape, "blocked") for shape in redone.kernel)
+    assert measured == [1, 1] and not any(redone.uses(shape, k) for shape in redone.kernel
+                                          for k in ("blocked", "blocked_tall"))
 
 
 def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_back():
@@ -375,18 +380,18 @@ def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_b
     compared, and the kernel the layers call afterwards is the one they called before."""
     module = script("kernel_ab")
     lm, _ = tuned_tiny("blocked")  # every layer on the blocked kernel, at every row count
-    real = native.current_kernel()
+    real = native.current_kernel()  # (blocks read in place, tall blocks)
     calls = {"base": 0, "new": 0}
 
     def counting(name):
         def kernel(*args):
             calls[name] += 1
-            real(*args)
+            real[0](*args)
         return kernel
 
-    out = module.compare(lm, {"base": counting("base"), "new": counting("new")}, prefixes=[20], qs=[1, 3, 9],
-                         rounds=2)
-    assert native.current_kernel() is real
+    out = module.compare(lm, {"base": (counting("base"),) * 2, "new": (counting("new"),) * 2}, prefixes=[20],
+                         qs=[1, 3, 9], rounds=2)
+    assert native.current_kernel() == real
     per_pass = 2 * 7 + 1  # every linear layer of the tiny model once per pass
     assert calls == {"base": 3 * 3 * per_pass, "new": 3 * 3 * per_pass}  # 3 sizes x (warm-up + 2 rounds)
     for name in ("base", "new"):
@@ -403,4 +408,5 @@ def test_the_kernel_ab_script_reads_a_revision_of_the_kernel_or_names_what_is_wr
     assert "rest_lab_panel_linear" in path.read_text()
     with pytest.raises(ValueError, match="no-such-revision.*give a commit that holds the kernel"):
         module.source_at("no-such-revision", tmp_path)
-    assert callable(module.load_build(native.SOURCE))
+    short, tall = module.load_build(native.SOURCE)  # blocks read in place, tall blocks
+    assert callable(short) and callable(tall)

@@ -2,8 +2,9 @@
 
 `blocked_linear.cpp` computes y = x W^T + b for linear layers over a few rows, with W stored once in
 16-column panels, so a verify pass over a handful of tree nodes streams each weight from memory once, as a
-one-token step does, and uses every loaded weight for every row (up to 16 rows at a time with AVX-512, 6
-with AVX2).  `row_top_k.cpp` finds each logits row's k largest ids in one pass, each row read in one
+one-token step does, and uses every loaded weight for every row (blocks of 8 rows read in place with
+AVX-512, 6 with AVX2; with AVX-512 also "tall" blocks of 16 rows read from a transposed copy: which one pays
+is measured per machine, `rest_core.kernels`).  `row_top_k.cpp` finds each logits row's k largest ids in one pass, each row read in one
 stretch per thread (the model's choices every step hands to the stores that learn from it).
 `attention.cpp` computes attention for a few query rows over the key/value cache (grouped-query heads, a
 tree mask), reading the cache where it lies.
@@ -58,7 +59,7 @@ def unavailable() -> Optional[str]:
 
 def library() -> Optional[ctypes.CDLL]:
     """The loaded kernel library, built first if this machine has none yet; None when it cannot be had."""
-    global _lib, _why, _tried, _kernel
+    global _lib, _why, _tried, _kernel, _kernel_tall
     if _tried:
         return _lib
     _tried = True
@@ -69,6 +70,7 @@ def library() -> Optional[ctypes.CDLL]:
         lib = load_library(SOURCE, "blocked-linear")
         _lib = lib
         _kernel = lib.rest_lab_panel_linear
+        _kernel_tall = lib.rest_lab_panel_linear_tall
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         _why = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
     return _lib
@@ -86,15 +88,18 @@ def load_library(source: Path, stem: str) -> ctypes.CDLL:
 
 
 def current_kernel():
-    """The function every blocked layer calls (the loaded library's, unless `use_kernel` swapped it)."""
-    return _kernel
+    """The function every blocked layer calls (the loaded library's, unless `use_kernel` swapped it), and the
+    one layers on tall blocks call, as a pair."""
+    return _kernel, _kernel_tall
 
 
-def use_kernel(fn) -> None:
-    """Have every blocked layer call `fn` (same arguments as rest_lab_panel_linear): another build of the
-    kernel compared side by side (scripts/kernel_ab.py), or a timing wrapper."""
-    global _kernel
-    _kernel = fn
+def use_kernel(fn, tall=None) -> None:
+    """Have every blocked layer call `fn` (same arguments as rest_lab_panel_linear), and every layer on tall
+    blocks `tall` (`fn` when not given: a build with one entry point serves both): another build of the kernel
+    compared side by side (scripts/kernel_ab.py), or a timing wrapper.  `use_kernel(*current_kernel())` puts
+    back what was there."""
+    global _kernel, _kernel_tall
+    _kernel, _kernel_tall = fn, (fn if tall is None else tall)
 
 
 def _switched_off() -> bool:
@@ -274,13 +279,25 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rest_lab_panel_width.restype = cint
     lib.rest_lab_register_rows.argtypes = []
     lib.rest_lab_register_rows.restype = cint
+    if hasattr(lib, "rest_lab_tall_rows"):  # builds of older sources (compared by scripts/kernel_ab.py) have one
+        lib.rest_lab_panel_linear_tall.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, cint]
+        lib.rest_lab_panel_linear_tall.restype = None
+        lib.rest_lab_tall_rows.argtypes = []
+        lib.rest_lab_tall_rows.restype = cint
 
 
 def register_rows() -> Optional[int]:
-    """How many rows of sums the kernel holds in registers on this machine (16 with AVX-512, 6 with AVX2),
-    None when the kernel is not available."""
+    """How many rows of sums the kernel holds in registers per block read in place on this machine (8 with
+    AVX-512, 6 with AVX2), None when the kernel is not available."""
     lib = library()
     return None if lib is None else int(lib.rest_lab_register_rows())
+
+
+def tall_rows() -> int:
+    """Rows per tall block (read from a transposed copy of the input) on this machine: 16 with AVX-512, 0 where
+    the build has none or the kernel is not available."""
+    lib = library()
+    return 0 if lib is None else int(lib.rest_lab_tall_rows())
 
 
 def _compiler() -> str:
@@ -338,9 +355,11 @@ def pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tens
     return panels, padded
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x (..., K) float32 on the CPU -> (..., out_features), from `pack`'s panels and padded bias.  Called for
-    every linear layer of every pass: no more Python work than it takes."""
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor, out_features: int,
+           tall: bool = False) -> torch.Tensor:
+    """x (..., K) float32 on the CPU -> (..., out_features), from `pack`'s panels and padded bias, in blocks of
+    `register_rows()` rows read in place or (tall) of `tall_rows()` rows read transposed.  Called for every
+    linear layer of every pass: no more Python work than it takes."""
     if x.dtype != torch.float32:  # the kernel reads raw float32 memory: anything else would be misread
         raise TypeError(f"the blocked linear kernel takes float32 input, not {x.dtype}: convert it, or use "
                         f"REST_LAB_KERNELS=default")
@@ -350,14 +369,18 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor, out_featur
     out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
     args = (x.data_ptr(), panels.data_ptr(), bias.data_ptr(), out.data_ptr(), x.numel() // k, k, out_features,
             torch.get_num_threads())
+    kernel = _kernel_tall if tall else _kernel
     if torch.autograd._profiler_enabled():  # named in a torch profile like any operator
         with torch.profiler.record_function(PROFILE_NAME):
-            _kernel(*args)
+            kernel(*args)
     else:
-        _kernel(*args)
+        kernel(*args)
     return out
 
 
 def _kernel(*args) -> None:
     """The compiled rest_lab_panel_linear (bound when the library loads)."""
     raise RuntimeError(f"the blocked linear kernel is not available: {_why}")
+
+
+_kernel_tall = _kernel  # the compiled rest_lab_panel_linear_tall, bound when the library loads
