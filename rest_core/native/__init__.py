@@ -4,8 +4,9 @@
 16-column panels, so a verify pass over a handful of tree nodes streams each weight from memory once, as a
 one-token step does, and uses every loaded weight for every row (blocks of 8 rows read in place with
 AVX-512, 6 with AVX2; with AVX-512 also "tall" blocks of 16 rows read from a transposed copy: which one pays
-is measured per machine, `rest_core.kernels`).  `row_top_k.cpp` finds each logits row's k largest ids in one pass, each row read in one
-stretch per thread (the model's choices every step hands to the stores that learn from it).
+is measured per machine, `rest_core.kernels`).  `row_top_k.cpp` finds each logits row's k largest ids in
+one pass, each row read in one stretch per thread (the model's choices every step hands to the stores that
+learn from it).
 `attention.cpp` computes attention for a few query rows over the key/value cache (grouped-query heads, a
 tree mask), reading the cache where it lies.
 `cache_rows.cpp` moves the accepted tree nodes' rows next to the prefix in every layer of the cache at once
