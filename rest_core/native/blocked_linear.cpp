@@ -41,7 +41,7 @@ constexpr int LOCALITY = 1;          // ... into L2 only (prefetcht2 on x86), no
                                      // pulled into L1 16 KB ahead it pushed the block's x rows (18 KB for 8
                                      // rows) out of a 32 KB L1.  On a Zen 4 that made 6-12 rows cost what one
                                      // row costs inside a verify pass (8 rows: 1.4x the time of one row with
-                                     // prefetches into L1) and 16 rows 15% less; 1-4 rows unchanged
+                                     // prefetches into L1) and 16 rows 11-17% less; 1-4 rows unchanged
 
 template <int R>
 inline __attribute__((always_inline)) void micro(const float* x, const float* xt, int64_t K, const float* panel,
