@@ -292,10 +292,11 @@ def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS,
     out: dict[Shape, dict[int, dict[str, float]]] = {shape: {} for shape in shapes}
     clock = time.perf_counter
     panels = all(layer.panels is not None for layer in layers)
-    available = [k for k in KERNELS if k not in BLOCKED_KINDS or (panels and (k == "blocked" or native.tall_rows()))]
+    available = [k for k in KERNELS if k not in BLOCKED_KINDS or (panels and _can_run(k))]
+    short = native.register_rows() or 0
     for r in rows:
-        # up to register_rows() rows a tall call runs the very code of a blocked one: timed once, as "blocked"
-        runs = [k for k in available if k != "blocked_tall" or r > (native.register_rows() or 0)]
+        # up to `short` rows a tall call runs the very code of a blocked one: timed once, as "blocked"
+        runs = [k for k in available if k != "blocked_tall" or r > short]
         inputs = {n: torch.randn(1, r, n, generator=gen) for n in {layer.in_features for layer in layers}}
         calls = [(layer.shape, inputs[layer.in_features]) for layer in layers]
         best = {shape: {k: UNTIMED for k in KERNELS} for shape in shapes}

@@ -132,7 +132,8 @@ def test_the_blocked_kernel_gives_every_row_count_its_own_sums(tall):
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), rows
             alone = forward(x[-1:].clone())  # the last row on its own: a block of one
             assert torch.equal(got[-1:], alone), rows  # the same sums in the same order, bit for bit
-            assert torch.equal(got, layer.blocked_forward(x) if tall else got)  # both heights: the same sums
+            if tall:  # both heights: the same sums
+                assert torch.equal(got, layer.blocked_forward(x)), rows
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -375,22 +376,28 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
                                           for k in ("blocked", "blocked_tall"))
 
 
-def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_back():
+@pytest.mark.parametrize("kernel", ["blocked", "blocked_tall"])
+def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_back(kernel):
     """scripts/kernel_ab.py: both builds run every size in every round (their calls timed), the logits of the two
-    compared, and the kernel the layers call afterwards is the one they called before."""
+    compared, and the kernel the layers call afterwards is the one they called before -- for layers on either
+    block height (each build's entry point for that height is the one called)."""
     module = script("kernel_ab")
-    lm, _ = tuned_tiny("blocked")  # every layer on the blocked kernel, at every row count
+    lm, _ = tuned_tiny(kernel)  # every layer on this kernel, at every row count
     real = native.current_kernel()  # (blocks read in place, tall blocks)
+    tall = kernel == "blocked_tall"
     calls = {"base": 0, "new": 0}
 
     def counting(name):
-        def kernel(*args):
+        def kernel_fn(*args):
             calls[name] += 1
-            real[0](*args)
-        return kernel
+            real[tall](*args)
+        return kernel_fn
 
-    out = module.compare(lm, {"base": (counting("base"),) * 2, "new": (counting("new"),) * 2}, prefixes=[20],
-                         qs=[1, 3, 9], rounds=2)
+    def refuse(*args):
+        pytest.fail("the entry point of the other block height was called")
+
+    builds = {name: (refuse, counting(name)) if tall else (counting(name), refuse) for name in calls}
+    out = module.compare(lm, builds, prefixes=[20], qs=[1, 3, 9], rounds=2)
     assert native.current_kernel() == real
     per_pass = 2 * 7 + 1  # every linear layer of the tiny model once per pass
     assert calls == {"base": 3 * 3 * per_pass, "new": 3 * 3 * per_pass}  # 3 sizes x (warm-up + 2 rounds)
