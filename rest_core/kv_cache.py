@@ -108,6 +108,12 @@ class GrowingLayer(DynamicLayer):
             return
         self._filled = max(0, self._filled + tokens_to_remove)
 
+    def reset(self) -> None:
+        """Empty the layer.  (transformers' own reset zeroes the buffers in place in some 5.x releases,
+        which would leave the fill mark, and so the length, where it was.)"""
+        self._buffers = [None, None]
+        self._filled = 0
+
     @property
     def room(self) -> int:
         """Positions the buffers hold before they grow again (0 before the first pass)."""
