@@ -316,12 +316,17 @@ class TokenDatastore(StoreBase):
                      + f"  = {total / self.n_tokens:.2f} bytes/token")
         return "\n".join(lines)
 
+    def mapped_bytes(self) -> int:
+        """Bytes of the files this store maps (what `warm` touches)."""
+        return sum(len(mm) for mm in self._maps)
+
     def warm(self, background: bool = False) -> threading.Thread | None:
         """Touch every page of the mapped files so later lookups pay no page faults.
 
         A fresh mapping faults on first access to each 4 KiB page (microseconds each,
-        hundreds per lookup at first); a server calls this once after opening, with
-        background=True to keep opening instant (returns the thread).
+        hundreds per lookup at first, and more after a forward pass has evicted the page
+        tables from the caches); the built-in openers (`datastores.builtin`) call this once
+        after opening, with background=True to keep opening instant (returns the thread).
         """
         def touch() -> None:
             for arr in (self._tokens, self._sa, self._ends):

@@ -515,3 +515,33 @@ def test_a_store_is_labelled_by_its_folder_or_the_name_it_was_opened_with(tmp_pa
     build_from_token_documents(tmp_path / "s", [[1, 2, 3], [4, 5]])
     assert TokenDatastore.open(tmp_path / "s").label == f"static:{tmp_path / 's'}"
     assert TokenDatastore.open(tmp_path / "s", name="uploaded").label == "static:uploaded"
+
+
+def test_opened_stores_are_warmed_where_they_fit_in_memory(tmp_path, monkeypatch):
+    """The openers touch a store's pages in the background (no page faults in later lookups) unless the
+    store would take more than WARM_SHARE of the available memory."""
+    import datastores.builtin as builtin
+    from datastores.static import TokenDatastore
+
+    tok = word_tokenizer()
+    build_datastore(tmp_path / "s", tok, [("a", "x y x y if x return y")], progress=False)
+    warmed = []
+    monkeypatch.setattr(TokenDatastore, "warm", lambda self, background=False: warmed.append(background))
+    store = builtin.open_static_store(str(tmp_path / "s"), tok)
+    assert warmed == [True] and store.mapped_bytes() > 0
+    monkeypatch.setattr(builtin, "available_memory", lambda: int(store.mapped_bytes() / builtin.WARM_SHARE) - 1)
+    builtin.open_static_store(str(tmp_path / "s"), tok)
+    assert warmed == [True]  # too big for the memory at hand: left to fault in
+    monkeypatch.setattr(builtin, "available_memory", lambda: None)  # unknown memory: warmed
+    builtin.open_static_store(str(tmp_path / "s"), tok)
+    assert warmed == [True, True]
+
+
+def test_warming_a_store_changes_no_lookup(tmp_path):
+    tok = word_tokenizer()
+    store = build_datastore(tmp_path / "s", tok, [("a", "x y x y if x return y else x")], progress=False)
+    before = store.lookup(tok("x y", add_special_tokens=False)["input_ids"], continuation_len=3)
+    store.warm(background=True).join(timeout=10)
+    after = store.lookup(tok("x y", add_special_tokens=False)["input_ids"], continuation_len=3)
+    assert (before.matched_len, before.total_matches) == (after.matched_len, after.total_matches)
+    assert np.array_equal(before.continuations, after.continuations)
