@@ -323,10 +323,10 @@ class TokenDatastore(StoreBase):
     def warm(self, background: bool = False) -> threading.Thread | None:
         """Touch every page of the mapped files so later lookups pay no page faults.
 
-        A fresh mapping faults on first access to each 4 KiB page (microseconds each,
-        hundreds per lookup at first, and more after a forward pass has evicted the page
-        tables from the caches); the built-in openers (`datastores.builtin`) call this once
-        after opening, with background=True to keep opening instant (returns the thread).
+        A fresh mapping faults on first access to each 4 KiB page (microseconds each where the
+        file is in the page cache, a disk read where it is not); the built-in openers
+        (`datastores.builtin.warmed`) call this once after opening, with background=True to keep
+        opening instant (returns the thread).
         """
         def touch() -> None:
             for arr in (self._tokens, self._sa, self._ends):
