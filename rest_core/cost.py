@@ -80,6 +80,9 @@ FEW_NODES = 16  # trees of up to this many drafts learn in Python numbers (CostM
 _BINS_LIST, _SUPPORT_LIST = BINS.tolist(), SUPPORT.tolist()
 STATS_VERSION = 3  # 3: the model source drafts from pairs of tokens too (its cells mean other things)
 REQUEST_WEIGHT = 4.0  # expected acceptances behind each request's correction: a few steps move it
+AGREE_LEVELS = 3  # nodes drafted by 1, 2, 3 or more sources (rows of that many sources run through the node)
+AGREE_WEIGHT = 20.0  # expected acceptances behind each level's correction
+AGREE_MAX = 2000.0  # a level's expected acceptances fade past this, so its correction keeps adapting
 MAX_CHANCE = 0.99  # a corrected conditional chance stays below certainty
 RECENT_PASSES = 9  # a size's real relative cost on the curve: the median of its last this many passes ...
 MIN_PASSES = 5  # ... once it has at least this many
@@ -110,6 +113,10 @@ class CostModel:
     _steps: int = field(default=0, init=False, repr=False)  # steps observed
     # per draft source, in the request being decoded: (accepted, expected by the cells) of its tested nodes
     _request: dict = field(default_factory=dict, repr=False)
+    # per agreement level (AGREE_LEVELS), over every request of this kind: accepted / expected by the cells and
+    # the request's correction, of the tested nodes that many sources drafted (rows 0 / 1)
+    agreement: np.ndarray = field(default_factory=lambda: np.zeros((2, AGREE_LEVELS)))
+    use_agreement: bool = True  # False: no agreement correction (side-by-side runs)
 
     def __post_init__(self) -> None:
         self.times_ms = np.array(self.times_ms, dtype=float)
@@ -190,13 +197,36 @@ class CostModel:
             drafted[rows], accepted[rows] = c[0, at], c[1, at]
         return (accepted + PRIOR_WEIGHT * PRIOR_SCALE * ratio) / (drafted + PRIOR_WEIGHT), sources
 
-    def conditional(self, tree: DraftTree) -> np.ndarray:
-        """(n,) each draft node's calibrated chance of being accepted once its parent was: its cell's,
-        corrected by how its source did in this request."""
+    def agreement_factors(self) -> np.ndarray:
+        """(AGREE_LEVELS,) how much better (> 1) or worse than expected the nodes drafted by 1, 2, 3+ sources did.
+
+        Where several stores continue the context the same way the token is likelier than any one store's
+        statistics say: in chat (8 prompts, rest_full's stores) nodes of two sources that the cells and the
+        request's correction gave 0.15 were accepted 0.36 of the time, nodes of one source 0.11."""
+        accepted, expected = self.agreement
+        return (accepted + AGREE_WEIGHT) / (expected + AGREE_WEIGHT)
+
+    def _levels(self, tree: DraftTree) -> np.ndarray:
+        """(n,) each draft node's agreement level: 0 for one source (or not known), 1 for two, 2 for more."""
+        if tree.agree is None:
+            return np.zeros(tree.draft_size, dtype=np.int64)
+        return np.clip(tree.agree[1:] - 1, 0, AGREE_LEVELS - 1)
+
+    def _before_agreement(self, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+        """(n,) each draft node's chance by its cell and its source's correction in this request, and (n,) its
+        source name."""
         chance, sources = self._from_cells(tree)
         if self._request:
             for name in set(tree.sources[1:]):
                 chance[sources == name] *= self.request_factor(name)
+        return chance, sources
+
+    def conditional(self, tree: DraftTree) -> np.ndarray:
+        """(n,) each draft node's calibrated chance of being accepted once its parent was: its cell's,
+        corrected by how its source did in this request and by how nodes drafted by as many sources did."""
+        chance, _ = self._before_agreement(tree)
+        if self.use_agreement:
+            chance *= self.agreement_factors()[self._levels(tree)]
         return np.minimum(chance, MAX_CHANCE)
 
     def ranked(self, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
@@ -259,6 +289,10 @@ class CostModel:
             taken[[0, *accepted_nodes]] = True  # the root is always "accepted"
             seen = taken[tree.parents[1:]]  # (q-1,) the parent was accepted: this node was put to the test
             hit = taken[1:].astype(float)
+            corrected = expected.copy()  # ... and the request's corrections, before this step joins them
+            for name in set(tree.sources[1:]):
+                corrected[sources == name] *= self.request_factor(name)
+            self._learn_agreement(self._levels(tree)[seen], hit[seen], np.minimum(corrected, MAX_CHANCE)[seen])
             for name in set(tree.sources[1:]):
                 rows = (sources == name) & seen
                 if not rows.any():
@@ -284,6 +318,9 @@ class CostModel:
         taken.add(0)  # the root is always "accepted"
         bins, sup_edges = _BINS_LIST, _SUPPORT_LIST
         per: dict[str, list] = {}  # source -> [accepted, predicted, {cell: [drafted, hits]}]
+        agree = tree.agree.tolist() if tree.agree is not None else None
+        factors = {}  # source -> its request correction before this step
+        levels = [[0.0, 0.0] for _ in range(AGREE_LEVELS)]  # per agreement level: hits, corrected expectations
         for node in range(1, len(parents)):
             parent = parents[node]
             if parent not in taken:
@@ -300,6 +337,12 @@ class CostModel:
             drafted, accepted = counts.item(cell), counts.item(CELLS + cell)  # flat: (drafted, accepted) per cell
             expected = (accepted + PRIOR_WEIGHT * PRIOR_SCALE * ratio) / (drafted + PRIOR_WEIGHT)
             hit = 1.0 if node in taken else 0.0
+            factor = factors.get(name)
+            if factor is None:
+                factor = factors[name] = self.request_factor(name)
+            level = levels[min(max(agree[node] - 1, 0), AGREE_LEVELS - 1) if agree is not None else 0]
+            level[0] += hit
+            level[1] += min(expected * factor, MAX_CHANCE)
             entry = per.setdefault(name, [0.0, 0.0, {}])
             entry[0] += hit
             entry[1] += expected
@@ -314,6 +357,20 @@ class CostModel:
                 c.flat[cell] += n
                 c.flat[CELLS + cell] += h
             _fade(c)
+        if per:
+            self._learn_agreement_sums(levels)
+
+    def _learn_agreement(self, levels: np.ndarray, hits: np.ndarray, expected: np.ndarray) -> None:
+        """Add tested nodes (their agreement levels, 1.0 where accepted, their corrected chances) to the levels."""
+        self._learn_agreement_sums([[float(hits[levels == i].sum()), float(expected[levels == i].sum())]
+                                    for i in range(AGREE_LEVELS)])
+
+    def _learn_agreement_sums(self, sums: list) -> None:
+        for i, (hits, expected) in enumerate(sums):
+            self.agreement[0, i] += hits
+            self.agreement[1, i] += expected
+            if self.agreement[1, i] > AGREE_MAX:
+                self.agreement[:, i] *= 0.5
 
     def _refresh_curve(self, q: int, forward_ms: float) -> None:
         """Refresh the curve with a real step's timing, as a level times a shape.
@@ -387,14 +444,21 @@ class CostModel:
         decode; the decoder writes no files."""
         if self.stats_path is None:
             return
-        stores = _stored_counts(_read_json(self.stats_path))
+        data = _read_json(self.stats_path)
+        stores = _stored_counts(data)
         stores.update({self._disk_key(self.labels.get(k, k)): v.tolist() for k, v in self.counts.items()})
+        agreement = _stored_agreement(data)
+        agreement[self.kind] = self.agreement.tolist()
         _write_json(self.stats_path, {"version": STATS_VERSION, "shape": list(SHAPE), "bins": BINS.tolist(),
-                                      "stores": stores})
+                                      "stores": stores, "agreement": agreement})
 
     def load_stats(self) -> None:
-        """Counts saved by earlier runs with this model for these stores; anything unreadable is ignored."""
-        saved = _stored_counts(_read_json(self.stats_path))
+        """Counts saved by earlier runs with this model for these stores, and this kind's agreement sums;
+        anything unreadable is ignored."""
+        data = _read_json(self.stats_path)
+        saved = _stored_counts(data)
+        agreement = _stored_agreement(data).get(self.kind)
+        self.agreement = np.asarray(agreement, dtype=float) if agreement is not None else np.zeros((2, AGREE_LEVELS))
         counts = {}
         for key, value in saved.items():
             label = self._label_of(key)
@@ -468,6 +532,23 @@ def _cells(tree: DraftTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     sup = np.minimum(SUPPORT.searchsorted(tree.support[1:], "right") - 1, len(SUPPORT) - 1)
     rbin = np.minimum(BINS.searchsorted(ratio, "right") - 1, len(BINS) - 2)
     return ratio, (depth * len(SUPPORT) + sup) * (len(BINS) - 1) + rbin, named[1:]
+
+
+def _stored_agreement(data) -> dict[str, list]:
+    """Per kind of text, the agreement levels' (accepted, expected) sums a stats file holds (empty for a file of
+    another version or without them; a kind whose sums are unreadable is left out)."""
+    if not isinstance(data, dict) or data.get("version") != STATS_VERSION:
+        return {}
+    found = data.get("agreement")
+    out = {}
+    for kind, value in (found.items() if isinstance(found, dict) else ()):
+        try:
+            arr = np.asarray(value, dtype=float)
+        except (TypeError, ValueError):
+            continue
+        if arr.shape == (2, AGREE_LEVELS) and np.isfinite(arr).all() and (arr >= 0).all():
+            out[str(kind)] = value
+    return out
 
 
 def _stored_counts(data) -> dict[str, list]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ class DraftTree:
     shares: np.ndarray = field(default_factory=lambda: np.ones(1))
     # (n,) float64: how many of its dominant source's continuation rows run through each node (root: 0)
     support: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    # (n,) int64: how many sources have continuation rows through each node (root: 0); None where not known
+    # (a tree built by hand): the cost model then counts every node as one source's
+    agree: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -60,7 +63,7 @@ class DraftTree:
 def root_only(root_token: int) -> DraftTree:
     return DraftTree(tokens=np.array([root_token], dtype=np.int64), parents=np.array([-1], dtype=np.int64),
                      depths=np.zeros(1, dtype=np.int64), scores=np.zeros(1), sources=[""], shares=np.ones(1),
-                     support=np.zeros(1))
+                     support=np.zeros(1), agree=np.zeros(1, dtype=np.int64))
 
 
 def source_weight(source: str, matched_len: int, base: dict[str, float]) -> float:
@@ -111,8 +114,9 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray, tota
                        budget: int | None = None) -> dict:
     """Every distinct prefix of the rows that can be among the `budget` best as a candidate node (all of
     them when budget is None): depth, last token, score, first sorted row, parent candidate, dominant
-    source, its share and support, as flat arrays ordered by depth, then sorted-row order (`total`: the rows'
-    whole weight).  All depths at once: a prefix is a run of sorted rows that agree up to its depth.
+    source, its share and support, how many sources have rows through it, as flat arrays ordered by depth,
+    then sorted-row order (`total`: the rows' whole weight).  All depths at once: a prefix is a run of
+    sorted rows that agree up to its depth.
 
     A step's rows can hold thousands of prefixes (512 continuations of 24 tokens from one store) of which
     the tree keeps a few dozen, so each prefix is first scored roughly (a float running sum of row
@@ -159,7 +163,7 @@ def _prefix_candidates(rows: np.ndarray, src: np.ndarray, unit: np.ndarray, tota
     return {"depth": depth + 1, "token": rows[start, depth], "score": by_src.sum(axis=0), "start": start,
             "parent": parent, "source": dominant,
             "share": by_src[dominant, idx] / np.maximum(source_total[dominant], 1e-300),
-            "support": rows_src[dominant, idx].astype(float)}
+            "support": rows_src[dominant, idx].astype(float), "agree": (rows_src > 0).sum(axis=0)}
 
 
 def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
@@ -176,7 +180,7 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
         if ints.shape[1] == 1:  # no real prefix among the rows
             return root_only(root_token)
         return DraftTree(ints[0], ints[1], ints[2], floats[0], [""] + [names[i] for i in ints[3, 1:].tolist()],
-                         floats[1], floats[2])
+                         floats[1], floats[2], ints[4])
     c = _prefix_candidates(rows, src, unit, total, budget)
     if c["depth"].size == 0:
         return root_only(root_token)
@@ -197,7 +201,8 @@ def build_draft_tree(root_token: int, lookups: Sequence[Lookup], budget: int,
     sources = [""] + [names[i] for i in c["source"][keep]]
     shares = np.concatenate([[1.0], c["share"][keep]])
     support = np.concatenate([[0.0], c["support"][keep]])
-    return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources, shares, support)
+    agree = np.concatenate([[0], c["agree"][keep]]).astype(np.int64)
+    return DraftTree(tree_tokens, tree_parents, tree_depths, tree_scores, sources, shares, support, agree)
 
 
 def _children(tokens: np.ndarray, parents: np.ndarray) -> list[dict[int, int]]:
@@ -264,4 +269,5 @@ def keep_nodes(tree: DraftTree, nodes: np.ndarray) -> DraftTree:
     if (parents[1:] < 0).any():
         raise ValueError("keep_nodes: a kept node's parent was cut; keep a prefix-closed set of nodes")
     return DraftTree(tree.tokens[keep], parents, tree.depths[keep], tree.scores[keep],
-                     [tree.sources[i] for i in keep], tree.shares[keep], tree.support[keep])
+                     [tree.sources[i] for i in keep], tree.shares[keep], tree.support[keep],
+                     None if tree.agree is None else tree.agree[keep])

@@ -382,6 +382,9 @@ def test_a_request_whose_drafts_keep_missing_drafts_less_until_the_next_request(
     assert model.request_factor("static") == 1.0
     cells_only = model.conditional(static_tree)
     assert (within < cells_only).all()
+    # the request's correction is static's alone (the correction per number of sources, learned from every
+    # source's nodes, is another matter: off here)
+    model.use_agreement = False
     assert np.allclose(model.conditional(request_tree), CostModel(times_ms=curve(50.0, 1.0)).conditional(request_tree))
 
 
@@ -508,3 +511,66 @@ def test_a_few_nodes_learn_in_python_numbers_exactly_as_the_array_path(monkeypat
         assert few._request.keys() == array._request.keys()
         for name, (acc, pred) in few._request.items():
             assert acc == array._request[name][0] and pred == pytest.approx(array._request[name][1], rel=1e-12)
+        assert np.allclose(few.agreement, array.agreement, rtol=1e-12, atol=0), trial
+
+
+def _two_source_trees():
+    """The same chain drafted by one source (static) and by two (static and request), the cells alike."""
+    rows = np.array([[11, 12, 13]] * 6 + [[21, 22, 23]] * 4)
+    one = build_draft_tree(1, [OracleLookup("static", 3, 10, rows)], budget=63)
+    two = build_draft_tree(1, [OracleLookup("static", 3, 10, rows), OracleLookup("request", 3, 1, rows[:1])],
+                           budget=63)
+    return one, two
+
+
+def test_nodes_several_sources_drafted_are_trusted_as_they_turned_out():
+    one, two = _two_source_trees()
+    assert one.agree.tolist() == [0, 1, 1, 1, 1, 1, 1] and two.agree.tolist() == [0, 2, 1, 2, 1, 2, 1]
+    model = CostModel(times_ms=curve(50.0, 2.0))
+    for source in ("static", "request"):  # every cell long learned at one in two: this test moves them little
+        counts = model._counts(source)
+        counts[0], counts[1] = 4000.0, 2000.0
+    before = model.conditional(two)
+    for _ in range(30):  # what two sources drafted is always right, what static alone drafted never
+        model.begin_request()
+        model.observe(two, [0, 1, 3, 5], forward_ms=55.0)
+        model.observe(one, [0], forward_ms=55.0)
+    low, high = model.agreement_factors()[:2]
+    assert high > 1.5 and low < 0.5
+    model.begin_request()
+    chance = model.conditional(two)
+    by_cells, _ = model._from_cells(two)
+    agreed = two.agree[1:] == 2
+    assert np.allclose(chance[agreed], np.minimum(by_cells[agreed] * high, cost.MAX_CHANCE))
+    assert np.allclose(chance[~agreed], by_cells[~agreed] * low)
+    assert (chance[agreed] > before[agreed]).all()
+    model.use_agreement = False  # the side-by-side switch: the cells (and the request's correction) alone
+    assert np.allclose(model.conditional(two), np.minimum(by_cells, cost.MAX_CHANCE))
+    unknown = build_draft_tree(1, [OracleLookup("static", 3, 10, np.array([[11, 12, 13]] * 10))], budget=63)
+    unknown.agree = None  # a tree built without the counts: every node one source's
+    model.use_agreement = True
+    assert np.allclose(model.conditional(unknown), np.minimum(model._from_cells(unknown)[0] * low, cost.MAX_CHANCE))
+
+
+def test_the_agreement_correction_is_kept_per_kind_between_runs(tmp_path):
+    one, two = _two_source_trees()
+    path = tmp_path / "acc.json"
+    chat = CostModel(times_ms=curve(50.0, 2.0), stats_path=path, kind="chat")
+    for _ in range(30):
+        chat.observe(two, [0, 1, 3, 5], forward_ms=55.0)
+    chat.save_stats()
+    text = CostModel(times_ms=curve(50.0, 2.0), stats_path=path, kind="text")
+    text.observe(one, [0], forward_ms=55.0)
+    text.save_stats()  # the chat sums stay
+    again = CostModel(times_ms=curve(50.0, 2.0), stats_path=path, kind="chat")
+    again.load_stats()
+    np.testing.assert_allclose(again.agreement, chat.agreement)
+    other = CostModel(times_ms=curve(50.0, 2.0), stats_path=path, kind="text")
+    other.load_stats()
+    np.testing.assert_allclose(other.agreement, text.agreement)
+    data = json.loads(path.read_text())
+    data["agreement"]["chat"] = [[1.0, "x"], [2.0]]  # unreadable: that kind starts afresh, the rest stays
+    path.write_text(json.dumps(data))
+    broken = CostModel(times_ms=curve(50.0, 2.0), stats_path=path, kind="chat")
+    broken.load_stats()
+    assert not broken.agreement.any() and set(broken.counts) == {"static", "request"}

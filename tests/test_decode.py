@@ -432,3 +432,28 @@ def test_knowing_the_answer_finds_the_best_rate_of_all_steps_together():
             picks = {0: int(first), 1: second}
             other = module.replay(rows, made_up_curve, lambda r, picks=picks: picks[rows.index(r)])
             assert other[1] <= best[1]
+
+
+def test_the_agreement_script_counts_each_tested_node_with_its_sources(tiny_lm):
+    """scripts/agreement_ab.py's calibration hook on the tiny model: every draft node whose parent was accepted
+    is counted once, with the number of sources whose retrieved rows run through it."""
+    from rest_core.cost import CostModel
+
+    module = script("agreement_ab")
+    prompt = PROMPTS[0]
+    plain, store = store_from_plain(tiny_lm, prompt, 30)
+    history = HistoryStore(path=None)
+    stores = assemble_stores(static=store, request=True, history=history)
+    times = np.array([10.0 + 0.1 * (q - 1) for q in GRID])  # cheap trees: the cost model drafts
+    dec = RestDecoder(tiny_lm, stores=stores, budget_chooser=CostModel(times_ms=times))
+    cfg = DecodeConfig(max_new_tokens=30, stop_at_eos=False)
+    dec.generate(prompt, cfg)  # the history now holds the answer: the second decode drafts it from two stores
+    hook, traces = module.Calibration(), []
+    res = dec.generate(prompt, cfg, hook=lambda t: (hook(t), traces.append(t)))
+    assert res.tokens == plain.tokens
+    tested = sum(sum(1 for n in range(1, len(t.tree_tokens)) if t.tree_parents[n] in set(t.accepted_nodes))
+                 for t in traces)
+    assert len(hook.nodes) == tested > 0
+    assert all(1 <= sources <= 3 for _, sources, _ in hook.nodes) and max(s for _, s, _ in hook.nodes) >= 2
+    assert all(0.0 <= chance <= 1.0 for chance, _, _ in hook.nodes)
+    assert "2 sources" in hook.report()

@@ -156,7 +156,7 @@ def _same_tree(a, b) -> bool:
     return (a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
             and a.depths.tolist() == b.depths.tolist() and a.scores.tolist() == b.scores.tolist()
             and a.sources == b.sources and a.shares.tolist() == b.shares.tolist()
-            and a.support.tolist() == b.support.tolist())
+            and a.support.tolist() == b.support.tolist() and a.agree.tolist() == b.agree.tolist())
 
 
 @settings(max_examples=150, deadline=None)
@@ -232,3 +232,27 @@ def test_branches_are_every_distinct_continuation_with_its_count(lookups):
         counted = Counter(tuple(t for t in row if t >= 0) for row in lk.continuations.tolist())
         expected += sorted(((lk.source, toks, n) for toks, n in counted.items()), key=lambda b: (-b[2], b[1]))
     assert [(b.source, b.tokens, b.count) for b in aggregate_branches(lookups)] == expected
+
+
+def test_every_node_counts_the_sources_whose_rows_run_through_it():
+    static = OracleLookup("static", 3, 3, np.array([[11, 12, 13], [11, 12, 14], [21, 22, 23]]))
+    request = OracleLookup("request", 2, 1, np.array([[11, 12, 14]]))
+    model = OracleLookup("model", 1, 2, np.array([[11, 15, -1], [21, -1, -1]]))
+    for native_tree in (True, False):
+        if native_tree:
+            tree = build_draft_tree(9, [static, request, model], budget=63)
+        else:
+            with numpy_tree():
+                tree = build_draft_tree(9, [static, request, model], budget=63)
+        path = {}
+        for n in range(1, len(tree)):
+            path[n] = path.get(int(tree.parents[n]), ()) + (int(tree.tokens[n]),)
+        agree = {path[n]: int(tree.agree[n]) for n in range(1, len(tree))}
+        assert agree == {(11,): 3, (11, 12): 2, (11, 12, 13): 1, (11, 12, 14): 2, (11, 15): 1, (21,): 2,
+                         (21, 22): 1, (21, 22, 23): 1}
+        assert tree.agree[0] == 0
+        cut = prune_tree(tree, 3)  # the cut tree keeps each kept node's count
+        cut_path = {}
+        for n in range(1, len(cut)):
+            cut_path[n] = cut_path.get(int(cut.parents[n]), ()) + (int(cut.tokens[n]),)
+        assert len(cut) == 4 and all(int(cut.agree[n]) == agree[cut_path[n]] for n in cut_path)

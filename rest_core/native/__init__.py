@@ -169,7 +169,7 @@ def keep_rows(buffers: list[torch.Tensor], start: int, nodes: np.ndarray) -> boo
 def _declare_draft_tree(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rest_lab_draft_tree.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_double,
-                                        ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+                                        ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.rest_lab_draft_tree.restype = i64
 
 
@@ -183,21 +183,22 @@ def draft_tree(rows: np.ndarray, src: np.ndarray, unit: np.ndarray, budget: int,
     """The draft tree's `budget` best prefixes of the rows (`draft_tree.cpp`; rest_core.tree's numpy path gives
     the same nodes and bit-equal scores): rows (k, L) int64 token ids (-1 after a row's end), src (k,) int64
     each row's source index into unit (S,) float64, the weight of one row per source; `total` the root's score.
-    Returns (4, n) int64 (token, parent, depth, source index; the root first, its parent and source -1) and
-    (3, n) float64 (score, share, support), or None when the library cannot be had or the input is not of that
-    kind (the caller then takes the numpy path)."""
+    Returns (5, n) int64 (token, parent, depth, source index, sources with rows through the node; the root
+    first, its parent and source -1, its count 0) and (3, n) float64 (score, share, support), or None when the
+    library cannot be had or the input is not of that kind (the caller then takes the numpy path)."""
     lib = draft_tree_library()
     if (lib is None or rows.ndim != 2 or rows.dtype != np.int64 or src.dtype != np.int64
             or unit.dtype != np.float64 or src.shape != rows.shape[:1] or not rows.flags.c_contiguous
             or not src.flags.c_contiguous or not unit.flags.c_contiguous or budget < 0):
         return None
-    ints = np.empty((4, budget + 1), dtype=np.int64)
+    ints = np.empty((5, budget + 1), dtype=np.int64)
     floats = np.empty((3, budget + 1), dtype=np.float64)
     row = 8 * (budget + 1)  # bytes per row of either array
-    token, parent, depth, source = (ints.ctypes.data + i * row for i in range(4))
+    token, parent, depth, source, agree = (ints.ctypes.data + i * row for i in range(5))
     score, share, support = (floats.ctypes.data + i * row for i in range(3))
     n = lib.rest_lab_draft_tree(rows.ctypes.data, rows.shape[0], rows.shape[1], src.ctypes.data, unit.ctypes.data,
-                                unit.size, budget, root, total, token, parent, depth, score, source, share, support)
+                                unit.size, budget, root, total, token, parent, depth, score, source, share, support,
+                                agree)
     if n < 1:
         return None
     return ints[:, :n], floats[:, :n]

@@ -36,12 +36,12 @@ extern "C" {
 // rows (k, L) int64 token ids, -1 after a row's end; src (k,) each row's source index in 0..S-1; unit (S,) the
 // weight of one row per source; total the whole weight (the root's score).  Writes the root and up to budget
 // nodes into the out arrays (each of room budget + 1): token, parent (-1 at the root), depth, score, source
-// index (-1 at the root), share of the dominant source's weight, rows of the dominant source.  Returns the
-// number of nodes written (1 + kept), or a negative number when the input is not of that kind.
+// index (-1 at the root), share of the dominant source's weight, rows of the dominant source, and how many
+// sources have rows through the node (0 at the root).  Returns the number of nodes written (1 + kept), or a negative number when the input is not of that kind.
 int64_t rest_lab_draft_tree(const int64_t* rows, int64_t k, int64_t L, const int64_t* src, const double* unit,
                             int64_t S, int64_t budget, int64_t root, double total, int64_t* out_token,
                             int64_t* out_parent, int64_t* out_depth, double* out_score, int64_t* out_source,
-                            double* out_share, double* out_support) {
+                            double* out_share, double* out_support, int64_t* out_agree) {
     if (k < 0 || L < 1 || S < 1 || budget < 0 || k > INT32_MAX || L > INT32_MAX) return -1;
     for (int64_t i = 0; i < k; ++i)
         if (src[i] < 0 || src[i] >= S) return -2;
@@ -52,6 +52,7 @@ int64_t rest_lab_draft_tree(const int64_t* rows, int64_t k, int64_t L, const int
     out_source[0] = -1;
     out_share[0] = 1.0;
     out_support[0] = 0.0;
+    out_agree[0] = 0;
     if (k == 0 || budget == 0) return 1;
 
     // the stable lexicographic order of the rows
@@ -144,10 +145,11 @@ int64_t rest_lab_draft_tree(const int64_t* rows, int64_t k, int64_t L, const int
             if (parent < 0 || cands[parent - 1].end < c.end) return -3;  // not a tree: never for these scores
             out_parent[node] = parent;
         }
-        int64_t dominant = 0;
+        int64_t dominant = 0, agree = 0;
         double best = -1.0;
         for (int64_t s = 0; s < S; ++s) {
             const int64_t* cs = cum.data() + s * (k + 1);
+            agree += cs[c.end] > cs[c.start];
             double w = static_cast<double>(cs[c.end] - cs[c.start]) * unit[s];
             if (w > best) {
                 best = w;
@@ -159,6 +161,7 @@ int64_t rest_lab_draft_tree(const int64_t* rows, int64_t k, int64_t L, const int
         out_source[node] = dominant;
         out_share[node] = best / std::max(whole, 1e-300);
         out_support[node] = static_cast<double>(cd[c.end] - cd[c.start]);
+        out_agree[node] = agree;
     }
     return static_cast<int64_t>(n) + 1;
 }
