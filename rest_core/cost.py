@@ -202,7 +202,8 @@ class CostModel:
 
         Where several stores continue the context the same way the token is likelier than any one store's
         statistics say: in chat (8 prompts, rest_full's stores) nodes of two sources that the cells and the
-        request's correction gave 0.15 were accepted 0.36 of the time, nodes of one source 0.11."""
+        request's correction gave 0.10-0.20 were accepted 0.32 of the time, nodes of one source 0.14
+        (`docs/bench/agreement-correction.md`)."""
         accepted, expected = self.agreement
         return (accepted + AGREE_WEIGHT) / (expected + AGREE_WEIGHT)
 
@@ -258,8 +259,9 @@ class CostModel:
         """The tree cut to the nodes worth their cost (the best `choose(tree)` of `ranked(tree)`), and why
         (None when there was nothing to choose from): the candidate draft nodes, the ones kept, the accepted
         drafts expected of them, the pass's cost relative to a one-token pass, each candidate source's
-        correction in this request, and ("chances") each kept node's chance of being accepted, in the cut
-        tree's node order (node 1 first)."""
+        correction in this request, ("chances") each kept node's chance of being accepted, in the cut
+        tree's node order (node 1 first), and where the tree counts its nodes' sources, how many candidates
+        several sources drafted ("agreed") and the correction per number of sources ("agreement_factors")."""
         if tree.draft_size == 0:
             return tree, None
         return self.cut(tree, *self.ranked(tree))
@@ -274,6 +276,9 @@ class CostModel:
                "relative_cost": round(self.relative_cost(budget + 1), 4),
                "request_factors": {name: round(self.request_factor(name), 4) for name in sorted(set(tree.sources[1:]))},
                "chances": [round(float(c), 4) for c in by_node]}
+        if self.use_agreement and tree.agree is not None:  # candidates several stores drafted, and how they fare
+            why["agreed"] = int((tree.agree[1:] >= 2).sum())
+            why["agreement_factors"] = [round(float(f), 4) for f in self.agreement_factors()]
         return keep_nodes(tree, kept), why
 
     def observe(self, tree: DraftTree, accepted_nodes: list[int], forward_ms: float) -> None:

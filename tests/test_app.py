@@ -687,6 +687,11 @@ def test_explanation_says_why_the_cost_model_kept_what_it_kept():
     assert "offered 6 candidate draft tokens" in text and "kept none" in text and "ordinary one" in text
     assert "landed 0.62× as often as its counts say" in text and "1.01" not in text  # ~1: not worth a word
     assert "nothing to draft" not in text
+    agreed = dict(cut, budget_choice=dict(cut["budget_choice"], agreed=2, agreement_factors=[0.9, 1.25, 1.4]))
+    assert "2 of the candidates were drafted by more than one store" in sup.explain_step(agreed, {"settings": {}})
+    assert "landed 1.25× as often" in sup.explain_step(agreed, {"settings": {}})
+    plain_agreed = dict(cut, budget_choice=dict(cut["budget_choice"], agreed=2, agreement_factors=[1.0, 1.02, 1.4]))
+    assert "more than one store" not in sup.explain_step(plain_agreed, {"settings": {}})  # ~1: not worth a word
     kept = dict(cut, draft_size=2, budget_choice={"candidates": 9, "kept": 2, "expected_accepted": 0.84,
                                                   "relative_cost": 1.12, "request_factors": {"request": 1.3}},
                 nodes=[node, {"node": 1, "parent": 0, "depth": 1, "token_text": "x", "accepted": 1,

@@ -449,6 +449,7 @@ def test_the_decoder_reports_why_the_cost_model_kept_what_it_kept(tiny_lm):
         assert why["kept"] == len(s.tree_tokens) - 1 <= why["candidates"]
         assert why["relative_cost"] >= 1.0 and why["expected_accepted"] >= 0.0
         assert set(why["request_factors"]) <= {"request"} and "chances" not in why
+        assert 0 <= why["agreed"] <= why["candidates"] and len(why["agreement_factors"]) == cost.AGREE_LEVELS
         if why["kept"] == 0:
             assert s.node_chances == []
             continue

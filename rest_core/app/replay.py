@@ -217,6 +217,10 @@ def budget_sentence(choice: Optional[dict]) -> str:
     factors = [(src, f) for src, f in (choice.get("request_factors") or {}).items() if abs(f - 1.0) >= 0.05]
     so_far = ("; so far in this answer, drafts from " + ", ".join(
         f"{source_words(src)} landed {f:.2f}× as often as its counts say" for src, f in factors)) if factors else ""
+    agreed, by_sources = int(choice.get("agreed") or 0), choice.get("agreement_factors") or []
+    if agreed and len(by_sources) > 1 and abs(by_sources[1] - 1.0) >= 0.05:
+        so_far += (f"; {agreed} of the candidates were drafted by more than one store, and such tokens have "
+                   f"landed {by_sources[1]:.2f}× as often as their store's counts say")
     if kept == 0:
         return (f" The stores offered {candidates} candidate draft token{'s' if candidates != 1 else ''}, but the "
                 f"cost model, which weighs each one's chance of being accepted against what a larger pass costs on "
