@@ -213,19 +213,18 @@ class CostModel:
             return np.zeros(tree.draft_size, dtype=np.int64)
         return np.clip(tree.agree[1:] - 1, 0, AGREE_LEVELS - 1)
 
-    def _before_agreement(self, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
-        """(n,) each draft node's chance by its cell and its source's correction in this request, and (n,) its
-        source name."""
-        chance, sources = self._from_cells(tree)
+    def _with_request(self, chance: np.ndarray, tree: DraftTree, sources: np.ndarray) -> np.ndarray:
+        """The cells' chances (n,) scaled in place by each source's correction in this request."""
         if self._request:
             for name in set(tree.sources[1:]):
                 chance[sources == name] *= self.request_factor(name)
-        return chance, sources
+        return chance
 
     def conditional(self, tree: DraftTree) -> np.ndarray:
         """(n,) each draft node's calibrated chance of being accepted once its parent was: its cell's,
         corrected by how its source did in this request and by how nodes drafted by as many sources did."""
-        chance, _ = self._before_agreement(tree)
+        chance, sources = self._from_cells(tree)
+        chance = self._with_request(chance, tree, sources)
         if self.use_agreement:
             chance *= self.agreement_factors()[self._levels(tree)]
         return np.minimum(chance, MAX_CHANCE)
@@ -294,9 +293,7 @@ class CostModel:
             taken[[0, *accepted_nodes]] = True  # the root is always "accepted"
             seen = taken[tree.parents[1:]]  # (q-1,) the parent was accepted: this node was put to the test
             hit = taken[1:].astype(float)
-            corrected = expected.copy()  # ... and the request's corrections, before this step joins them
-            for name in set(tree.sources[1:]):
-                corrected[sources == name] *= self.request_factor(name)
+            corrected = self._with_request(expected.copy(), tree, sources)  # before this step joins them
             self._learn_agreement(self._levels(tree)[seen], hit[seen], np.minimum(corrected, MAX_CHANCE)[seen])
             for name in set(tree.sources[1:]):
                 rows = (sources == name) & seen
