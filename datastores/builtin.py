@@ -78,17 +78,21 @@ def _build_lock(path: Path):
 
 
 def open_default_store(tokenizer: Any, progress: bool = True, max_tokens: Optional[int] = None) -> TokenDatastore:
-    """Open (building on first use) the Python-source store for this tokenizer.
+    """Open (building on first use) the Python-source store for this tokenizer, warmed (`warmed`).
 
     Labelled by its folder's name (``static:python-<fingerprint>``), never by a server path."""
+    return warmed(_open_or_build_default(tokenizer, progress, max_tokens))
+
+
+def _open_or_build_default(tokenizer: Any, progress: bool, max_tokens: Optional[int]) -> TokenDatastore:
     path = default_store_path(tokenizer)
     try:
-        return warmed(TokenDatastore.open(path, tokenizer=tokenizer, name=path.name))
+        return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name)
     except DatastoreError:
         pass
     with _build_lock(path):
         try:  # another process may have finished it while we waited
-            return warmed(TokenDatastore.open(path, tokenizer=tokenizer, name=path.name))
+            return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name)
         except DatastoreError:
             pass
         roots = [stdlib_root(), *site_packages_roots()]
@@ -96,7 +100,7 @@ def open_default_store(tokenizer: Any, progress: bool = True, max_tokens: Option
               f"(once; up to {max_tokens or DEFAULT_STORE_TOKENS:,} tokens)...", flush=True)
         build_datastore(path, tokenizer, iter_python_sources(roots), progress=progress,
                         max_tokens=max_tokens or DEFAULT_STORE_TOKENS, overwrite=True)
-        return warmed(TokenDatastore.open(path, tokenizer=tokenizer, name=path.name))
+        return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name)
 
 
 def open_static_store(spec: Optional[str], tokenizer: Any, progress: bool = True) -> Optional[TokenDatastore]:
@@ -113,14 +117,19 @@ def open_answers(spec: Optional[str], model_name: str, tokenizer: Any, generate:
     """The general-text store (the model's own answers to varied requests; drafts named "answers").
 
     'default': the built-in one for this model, built on first use when `generate` is given (else a
-    DatastoreError says how to build it); 'none'/None: off; anything else: a store folder."""
+    DatastoreError says how to build it); 'none'/None: off; anything else: a store folder.  Warmed (`warmed`)."""
     if spec in (None, "none"):
         return None
+    return warmed(_open_or_build_answers(spec, model_name, tokenizer, generate, progress))
+
+
+def _open_or_build_answers(spec: str, model_name: str, tokenizer: Any, generate: Optional[Generate],
+                           progress: bool) -> TokenDatastore:
     if spec != "default":
-        return warmed(open_answers_store(spec, tokenizer))
+        return open_answers_store(spec, tokenizer)
     path = answers_store_path(model_name, tokenizer)
     try:
-        return warmed(open_answers_store(path, tokenizer))
+        return open_answers_store(path, tokenizer)
     except DatastoreError:
         if generate is None:
             raise DatastoreError(f"the general-text store for {model_name} is not built yet; any chat decode builds "
@@ -128,9 +137,9 @@ def open_answers(spec: Optional[str], model_name: str, tokenizer: Any, generate:
                                  f"--chat --prompt Hi`") from None
     with _build_lock(path):
         try:
-            return warmed(open_answers_store(path, tokenizer))
+            return open_answers_store(path, tokenizer)
         except DatastoreError:
-            return warmed(build_answers_store(path, tokenizer, generate, progress=progress))
+            return build_answers_store(path, tokenizer, generate, progress=progress)
 
 
 def default_history_path(tokenizer: Any) -> Path:
