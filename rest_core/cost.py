@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from datastores.common import cache_dir, safe_file_name, write_atomic
+from rest_core import native
 from rest_core.kernels import ROWS
 from rest_core.kv_cache import new_cache
 from rest_core.machine import machine_key
@@ -232,7 +233,11 @@ class CostModel:
     def ranked(self, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
         """Draft nodes (1-based) best first, and each one's chance of being accepted: the product of the
         conditional chances along its path.  A child never beats its parent, so every prefix of the
-        ranking is a tree (ties go to the shallower node)."""
+        ranking is a tree (ties go to the shallower node).  One native call where it can be had
+        (`rank_tree.cpp`: the same order, bit-equal chances), else numpy."""
+        got = self._ranked_native(tree)
+        if got is not None:
+            return got[:2]
         n = tree.draft_size
         product = self.conditional(tree).tolist()  # (n,) Python floats: a loop over a few dozen nodes
         for i, parent in enumerate(tree.parents[1:].tolist()):  # parents come first
@@ -241,6 +246,26 @@ class CostModel:
         chance = np.array(product)
         order = np.lexsort((np.arange(n), tree.depths[1:], -chance))
         return order + 1, chance[order]
+
+    def _ranked_native(self, tree: DraftTree,
+                       with_budget: bool = False) -> Optional[tuple[np.ndarray, np.ndarray, int]]:
+        """`ranked` (and with_budget, the best budget of `_best_budget`) in one native call; None where it cannot
+        be had."""
+        names: dict[str, int] = {}
+        index = [-1]
+        for name in tree.sources[1:]:
+            i = names.get(name)
+            if i is None:
+                i = names[name] = len(names)
+            index.append(i)
+        if len(index) != len(tree):
+            return None
+        return native.rank_tree(tree.parents[1:], tree.depths[1:], tree.shares, tree.support[1:],
+                                np.array(index, dtype=np.int64), tree.agree, [self._counts(name) for name in names],
+                                np.array([self.request_factor(name) for name in names], dtype=np.float64),
+                                bool(self._request), self.agreement_factors(), self.use_agreement, BINS, SUPPORT,
+                                DEPTHS, PRIOR_WEIGHT * PRIOR_SCALE, PRIOR_WEIGHT, MAX_CHANCE,
+                                *((CANDIDATE_BUDGETS, self.forward_ms(CANDIDATE_BUDGETS + 1)) if with_budget else ()))
 
     def _best_budget(self, chance: np.ndarray) -> int:
         budgets = CANDIDATE_BUDGETS[CANDIDATE_BUDGETS <= chance.size]  # (m,) 0 first
@@ -263,11 +288,17 @@ class CostModel:
         several sources drafted ("agreed") and the correction per number of sources ("agreement_factors")."""
         if tree.draft_size == 0:
             return tree, None
+        got = self._ranked_native(tree, with_budget=True)
+        if got is not None:
+            return self._cut_at(tree, *got)
         return self.cut(tree, *self.ranked(tree))
 
     def cut(self, tree: DraftTree, order: np.ndarray, chance: np.ndarray) -> tuple[DraftTree, dict]:
         """`decide` for a tree already ranked (`ranked(tree)`: its draft nodes best first and their chances)."""
-        budget = self._best_budget(chance)
+        return self._cut_at(tree, order, chance, self._best_budget(chance))
+
+    def _cut_at(self, tree: DraftTree, order: np.ndarray, chance: np.ndarray,
+                budget: int) -> tuple[DraftTree, dict]:
         kept = order[:budget]
         by_node = chance[:budget][np.argsort(kept)]  # keep_nodes keeps the nodes in their order in the tree
         why = {"candidates": int(tree.draft_size), "kept": budget,

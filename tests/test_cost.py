@@ -575,3 +575,59 @@ def test_the_agreement_correction_is_kept_per_kind_between_runs(tmp_path):
     broken = CostModel(times_ms=curve(50.0, 2.0), stats_path=path, kind="chat")
     broken.load_stats()
     assert not broken.agreement.any() and set(broken.counts) == {"static", "request"}
+
+
+def test_the_native_ranking_gives_the_numpy_paths_order_and_bit_equal_chances(monkeypatch):
+    """`rank_tree.cpp` ranks a candidate tree in one call: on 300 random trees of up to four sources (random
+    budgets up to 63, random counts, request corrections, agreement sums, the correction on and off, trees with
+    and without source counts, random cost curves) its order and chances equal the numpy path's exactly, and the
+    draft size it picks is `_best_budget`'s; dropping a correction, or breaking a tie another way, fails it."""
+    from rest_core import native
+    if native.rank_tree_library() is None:
+        pytest.skip("no C++ compiler here: the numpy path is the only one")
+    rng = np.random.default_rng(11)
+    names = ["static", "request", "model", "answers"]
+    native_calls = 0
+    real = native.rank_tree
+
+    def counted(*args, **kwargs):
+        nonlocal native_calls
+        got = real(*args, **kwargs)
+        native_calls += got is not None
+        return got
+
+    monkeypatch.setattr(native, "rank_tree", counted)
+    budgets = set()
+    for trial in range(300):
+        lookups = []
+        for source in rng.choice(names, size=rng.integers(1, 5), replace=False):
+            k = int(rng.integers(1, 40))
+            rows = rng.integers(10, 13, size=(k, int(rng.integers(1, 8))))
+            lookups.append(OracleLookup(str(source), int(rng.integers(1, 5)), k, rows))
+        tree = build_draft_tree(1, lookups, budget=int(rng.integers(1, 64)), base_weights={"model": 0.5})
+        if tree.draft_size == 0:
+            continue
+        if trial % 5 == 0:
+            tree.agree = None  # a tree built by hand: every node one source's
+        m = CostModel(times_ms=np.cumsum(rng.random(len(GRID)) * 8.0) + 30.0)  # a random increasing curve
+        m.use_agreement = trial % 3 != 0
+        for name in names:
+            c = m._counts(name)
+            c[...] = np.round(rng.random(cost.SHAPE) * 30, 3)
+            c[1] = np.minimum(c[1], c[0])
+        if trial % 2:
+            m._request = {str(n): (float(rng.random() * 5), float(rng.random() * 5)) for n in names[:3]}
+        m.agreement = np.round(rng.random((2, cost.AGREE_LEVELS)) * 50, 2)
+        order, chance = m.ranked(tree)
+        cut, why = m.decide(tree)
+        with monkeypatch.context() as off:
+            off.setattr(native, "rank_tree", lambda *a, **k: None)
+            want_order, want_chance = m.ranked(tree)
+            want_cut, want_why = m.decide(tree)
+        assert np.array_equal(order, want_order), trial
+        assert np.array_equal(chance, want_chance), trial
+        assert why == want_why, trial  # the same budget, expectations and chances
+        assert np.array_equal(cut.tokens, want_cut.tokens) and np.array_equal(cut.parents, want_cut.parents)
+        budgets.add(why["kept"])
+    assert native_calls > 400
+    assert len(budgets) > 5  # many sizes chosen, not one

@@ -12,12 +12,13 @@ tree mask), reading the cache where it lies.
 `cache_rows.cpp` moves the accepted tree nodes' rows next to the prefix in every layer of the cache at once
 (REST's compaction after a verify pass).  `draft_tree.cpp` merges the retrieved continuations into the draft
 tree's best prefixes in one call (the numpy path's nodes and bit-equal scores, without its ~60 numpy operations,
-each of which runs from cold caches right after a pass).  Each is compiled with the machine's C++ compiler for this very
-CPU (-march=native) into the cache (`<cache>/native/`, one file per machine key and source; the linear
-kernels linked to the OpenMP runtime torch already uses) and loaded with ctypes: no build step at install
-time, nothing to download.  Where there is no compiler, the build fails, or REST_LAB_NATIVE=0, `library()`
-/ `top_k_library()` / `attention_library()` / `cache_rows_library()` / `draft_tree_library()` return None
-and `unavailable()` says why for the linear kernel; the callers then keep their torch (or numpy) paths.
+each of which runs from cold caches right after a pass); `rank_tree.cpp` ranks that tree's nodes by the cost
+model's chances (its numpy path's ~40 operations in one call, bit-equal too).  Each is compiled with the
+machine's C++ compiler for this very CPU (-march=native) into the cache (`<cache>/native/`, one file per machine
+key and source; the linear kernels linked to the OpenMP runtime torch already uses) and loaded with ctypes: no
+build step at install time, nothing to download.  Where there is no compiler, the build fails, or
+REST_LAB_NATIVE=0, `library()` / `top_k_library()` / `attention_library()` / `cache_rows_library()` /
+`draft_tree_library()` / `rank_tree_library()` return None and `unavailable()` says why for the linear kernel; the callers then keep their torch (or numpy) paths.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ TOP_K_SOURCE = Path(__file__).with_name("row_top_k.cpp")
 ATTENTION_SOURCE = Path(__file__).with_name("attention.cpp")
 CACHE_ROWS_SOURCE = Path(__file__).with_name("cache_rows.cpp")
 DRAFT_TREE_SOURCE = Path(__file__).with_name("draft_tree.cpp")
+RANK_TREE_SOURCE = Path(__file__).with_name("rank_tree.cpp")
 MAX_TOP_K = 64  # the largest k row_top_k.cpp takes
 ENV = "REST_LAB_NATIVE"  # "0" / "off": never build or load the kernel
 PANEL = 16  # output columns per panel (the kernel's NB; checked against the library at load)
@@ -202,6 +204,79 @@ def draft_tree(rows: np.ndarray, src: np.ndarray, unit: np.ndarray, budget: int,
     if n < 1:
         return None
     return ints[:, :n], floats[:, :n]
+
+
+def _declare_rank_tree(lib: ctypes.CDLL) -> None:
+    ptr, i64, f64, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+    lib.rest_lab_rank_tree.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, flag, ptr, i64, flag,
+                                       ptr, i64, ptr, i64, i64, f64, f64, f64, ptr, ptr, i64, ptr, ptr, ptr]
+    lib.rest_lab_rank_tree.restype = ctypes.c_int
+
+
+def rank_tree_library() -> Optional[ctypes.CDLL]:
+    """The loaded tree-ranking library, built first if this machine has none yet; None when it cannot be had."""
+    return _optional_library(RANK_TREE_SOURCE, "rank-tree", False, _declare_rank_tree)
+
+
+def _f64(x: np.ndarray) -> bool:
+    return x.dtype == np.float64 and x.flags.c_contiguous
+
+
+def _i64(x: np.ndarray) -> bool:
+    return x.dtype == np.int64 and x.flags.c_contiguous
+
+
+_addresses: dict[int, tuple[np.ndarray, int]] = {}  # id -> (array, its data address): arrays that live long
+
+
+def _address(x: np.ndarray) -> int:
+    """The data address of a long-lived array (a constant table, a source's counts), looked up once: asking numpy
+    for it costs ~2 microseconds a time."""
+    got = _addresses.get(id(x))
+    if got is None or got[0] is not x:
+        if len(_addresses) > 256:
+            _addresses.clear()
+        got = _addresses[id(x)] = (x, x.ctypes.data)
+    return got[1]
+
+
+def rank_tree(parents: np.ndarray, depths: np.ndarray, shares: np.ndarray, support: np.ndarray,
+              source: np.ndarray, agree: Optional[np.ndarray], counts: list[np.ndarray], factors: np.ndarray,
+              apply_request: bool, level_factors: np.ndarray, apply_agreement: bool, bins: np.ndarray,
+              support_edges: np.ndarray, depth_cells: int, prior_scaled: float, prior_weight: float,
+              max_chance: float, budgets: Optional[np.ndarray] = None, budget_ms: Optional[np.ndarray] = None,
+              ) -> Optional[tuple[np.ndarray, np.ndarray, int]]:
+    """The cost model's ranking of a tree's n draft nodes (`rank_tree.cpp`; rest_core.cost's numpy path gives the
+    same order and bit-equal chances): parents, depths, support (n,) of the draft nodes (tree nodes 1..n), shares
+    (n + 1,), source (n + 1,) int64 indices into counts / factors and agree (n + 1,) the sources with rows through
+    each node (None: one each), the root's first; counts one (2, cells) float64 array per source, kept alive by
+    the caller (their addresses are remembered).  With the candidate draft sizes `budgets` (m,) int64 and
+    `budget_ms` (m,) the pass's time at each size plus the root, also the best size (`CostModel._best_budget`),
+    else -1.  Returns (order (n,) 1-based nodes best first, their path chances (n,), the best size), or None when
+    the library cannot be had or the input is not of that kind (the caller then takes the numpy path)."""
+    lib = rank_tree_library()
+    n = parents.size
+    with_budget = budgets is not None and budget_ms is not None
+    if (lib is None or not all(_i64(x) for x in (parents, depths, source)) or (agree is not None and not _i64(agree))
+            or not all(_f64(x) for x in (shares, support, factors, level_factors, bins, support_edges))
+            or not all(_f64(c) for c in counts) or depths.size != n or support.size != n
+            or (agree is not None and agree.size != n + 1) or shares.size != n + 1 or source.size != n + 1
+            or factors.size != len(counts)
+            or (with_budget and (not _i64(budgets) or not _f64(budget_ms) or budgets.size != budget_ms.size))):
+        return None
+    cells = (ctypes.c_void_p * max(1, len(counts)))(*[_address(c) for c in counts])
+    out = np.empty(2 * n + 1, dtype=np.int64)  # order, then the chances' bits, then the best size
+    at = out.ctypes.data
+    if lib.rest_lab_rank_tree(n, parents.ctypes.data, depths.ctypes.data, shares.ctypes.data, support.ctypes.data,
+                              source.ctypes.data, None if agree is None else agree.ctypes.data, cells, len(counts),
+                              factors.ctypes.data, int(apply_request), level_factors.ctypes.data, level_factors.size,
+                              int(apply_agreement), _address(bins), bins.size, _address(support_edges),
+                              support_edges.size, depth_cells, prior_scaled, prior_weight, max_chance,
+                              _address(budgets) if with_budget else None,
+                              budget_ms.ctypes.data if with_budget else None, budgets.size if with_budget else 0,
+                              at, at + 8 * n, at + 16 * n):
+        return None
+    return out[:n], out[n:2 * n].view(np.float64), int(out[2 * n]) if with_budget else -1
 
 
 def top_k_library() -> Optional[ctypes.CDLL]:
