@@ -32,6 +32,7 @@ probe is then two slices of an ``mmap`` and one C comparison (well under a micro
 from __future__ import annotations
 
 import array
+import ctypes
 import hashlib
 import json
 import mmap
@@ -55,6 +56,7 @@ from datastores.common import (
     sliding_window,
 )
 from datastores.fingerprint import check_tokenizer
+from datastores.native import static_lookup_library
 
 FORMAT_NAME = "rest-lab-token-datastore"
 FORMAT_VERSION = 1
@@ -66,6 +68,7 @@ SAMPLE_BLOCK_BYTES = 1 << 16
 FIRST_TOKEN_AT_ONCE = 1 << 22  # stores up to this size compute a missing first-token table at open (milliseconds);
 # larger ones in a background thread (~1 s per 50M tokens), searching every rank until it is ready
 FIRST_TOKEN_MAX_ID = 1 << 22  # a store holding larger token ids (no tokenizer has them) keeps no table
+NATIVE_MAX_CELLS = 1 << 22  # a native lookup writes max_matches rows into one buffer; larger asks take the Python path
 
 REQUIRED_META = {"format": str, "format_version": int, "tokenizer": dict, "sources": list,
                  "n_tokens": int, "n_docs": int, "built_at": str, "build": dict, "files": dict}
@@ -169,6 +172,8 @@ class TokenDatastore(StoreBase):
         self._windows: dict[int, np.ndarray] = {}  # continuation_len -> sliding view of the stream
         self._sa_item = np.dtype(sa_dtype).itemsize
         self._sa_unpack = struct.Struct("<I" if self._sa_item == 4 else "<Q").unpack_from
+        self._native = None  # (library, stream / suffix array / ends addresses), looked up at the first lookup
+        self._native_first: tuple = (None, None, 0)  # (first-token table, its address, its length)
         # per token id t, ranks [first[t], first[t + 1]) are those whose newest token is t (None: not ready)
         self._first: array.array | None = self._read_first_table()
         self._first_thread: threading.Thread | None = None
@@ -462,6 +467,42 @@ class TokenDatastore(StoreBase):
             b += take_r - ((b - inner[1]) - self._dead(inner[1], b))
         return np.concatenate([self._live_ranks(a, inner[0]), got, self._live_ranks(inner[1], b)])
 
+    def _native_lookup(self, ext: list[int], n_max: int, n_min: int, max_matches: int,
+                       continuation_len: int) -> Lookup | None:
+        """`lookup` in one call of `static_lookup.cpp` (the same rows in the same order), or None where that
+        library cannot be had, the store is closed or the ask is too large for its buffer (the Python path then
+        answers)."""
+        native = self._native
+        if native is None:
+            lib = static_lookup_library()
+            if lib is None or self._tokens is None:
+                self._native = False
+                return None
+            native = self._native = (lib, self._tokens.ctypes.data, self._sa.ctypes.data, self._ends.ctypes.data)
+        elif native is False or self._tokens is None:
+            return None
+        if max_matches * continuation_len > NATIVE_MAX_CELLS:
+            return None
+        lib, tokens, sa, ends = native
+        first = self._first
+        if first is None:
+            first_at, first_len = None, 0
+        else:
+            known, first_at, first_len = self._native_first
+            if known is not first:
+                first_at, first_len = first.buffer_info()
+                self._native_first = (first, first_at, first_len)
+        rows = np.empty((max_matches, continuation_len), dtype=np.int64)
+        info = (ctypes.c_int64 * 2)()
+        k = lib.rest_lab_static_lookup(tokens, self.n_tokens, sa, ends, self._ends.size, self._sa_item, first_at,
+                                       first_len, (ctypes.c_int64 * len(ext))(*ext), len(ext), n_max, n_min,
+                                       max_matches, continuation_len, rows.ctypes.data, info)
+        if k < 0:
+            return None
+        if info[0] == 0:
+            return empty_lookup(self.source, continuation_len)
+        return Lookup(self.source, info[0], info[1], rows[:k] if 2 * k >= max_matches else rows[:k].copy())
+
     def lookup(self, context: Sequence[int] | np.ndarray, n_max: int = 16, n_min: int = 2,
                max_matches: int = 5000, continuation_len: int = 10) -> Lookup:
         """Longest context suffix (n_max..n_min tokens) found in the store and what followed.
@@ -477,6 +518,9 @@ class TokenDatastore(StoreBase):
         m = min(n_max, len(ext))
         if m < n_min:
             return empty_lookup(self.source, continuation_len)
+        found = self._native_lookup(ext, n_max, n_min, max_matches, continuation_len)
+        if found is not None:
+            return found
         ext_b = struct.pack(f">{len(ext)}I", *reversed(ext))  # reversed context, big-endian tokens
         q = ext_b[:4 * m]
         N = self.n_tokens

@@ -545,3 +545,63 @@ def test_warming_a_store_changes_no_lookup(tmp_path):
     after = store.lookup(tok("x y", add_special_tokens=False)["input_ids"], continuation_len=3)
     assert (before.matched_len, before.total_matches) == (after.matched_len, after.total_matches)
     assert np.array_equal(before.continuations, after.continuations)
+
+
+@FAST
+@given(docs=st.lists(st.lists(st.sampled_from([0, 1, 2, 3, 9, 70000, 2**31 + 5, 2**32 - 2]), max_size=40),
+                     min_size=1, max_size=6).filter(lambda d: any(d)),
+       ctx=st.lists(st.sampled_from([0, 1, 2, 3, 4, 9, 70000, 2**31 + 5]), max_size=24),
+       n_max=st.integers(1, 10), n_min=st.integers(1, 3), max_matches=st.integers(1, 8), L=st.integers(1, 6),
+       without_table=st.booleans())
+def test_the_native_lookup_answers_as_the_python_path(docs, ctx, n_max, n_min, max_matches, L, without_table):
+    """`static_lookup.cpp` answers every lookup with the Python path's matched length, count and rows in the same
+    order: on random stores (ids up to 2**32 - 2, documents ending anywhere), contexts, limits (the choice by left
+    context included) and with or without the first-token table."""
+    from datastores.native import static_lookup_library
+    if static_lookup_library() is None:
+        pytest.skip("no C++ compiler here: the Python path is the only one")
+    n_min = min(n_min, n_max)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = static_store(tmp, docs)
+        if without_table:
+            store._first = None
+        native = store.lookup(ctx, n_max=n_max, n_min=n_min, max_matches=max_matches, continuation_len=L)
+        assert store._native or min(n_max, len(ctx)) < n_min, "the native lookup was taken"
+        store._native = False
+        python = store.lookup(ctx, n_max=n_max, n_min=n_min, max_matches=max_matches, continuation_len=L)
+        store.close()
+    assert (native.source, native.matched_len, native.total_matches) == \
+        (python.source, python.matched_len, python.total_matches)
+    assert native.continuations.dtype == np.int64 and native.continuations.shape[1] == L
+    assert rows(native.continuations) == rows(python.continuations)
+
+
+def test_the_native_lookup_answers_as_the_python_path_on_the_built_in_store():
+    """On the Python store the app drafts from (where it is built), 300 contexts cut from its own stream and 100
+    random ones give the same answers both ways, many of them past max_matches (16)."""
+    from datastores.common import cache_dir
+    from datastores.native import static_lookup_library
+    if static_lookup_library() is None:
+        pytest.skip("no C++ compiler here: the Python path is the only one")
+    found = [p for p in sorted((cache_dir() / "stores").glob("python-*")) if (p / "meta.json").exists()]
+    if not found:
+        pytest.skip("the built-in store is not built on this machine")
+    store = TokenDatastore.open(found[0])
+    rng = np.random.default_rng(3)
+    stream = np.frombuffer((found[0] / "tokens.u32").read_bytes()[:4 << 20], dtype="<u4")
+    contexts = []
+    for _ in range(300):
+        at = int(rng.integers(20, stream.size))
+        contexts.append([int(t) for t in stream[at - int(rng.integers(1, 20)):at] if t != SEP])
+    contexts += [rng.integers(0, 49152, size=int(rng.integers(1, 20))).tolist() for _ in range(100)]
+    past = 0
+    for ctx in contexts:
+        native = store.lookup(ctx, n_max=16, n_min=2, max_matches=16, continuation_len=12)
+        store._native, keep = False, store._native
+        python = store.lookup(ctx, n_max=16, n_min=2, max_matches=16, continuation_len=12)
+        store._native = keep
+        assert (native.matched_len, native.total_matches) == (python.matched_len, python.total_matches), ctx
+        assert np.array_equal(native.continuations, python.continuations), ctx
+        past += native.total_matches > 16
+    store.close()
+    assert past > 15  # 29 of them on the store built from the Python docs

@@ -322,7 +322,7 @@ def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why
     monkeypatch.setattr(native, "_why", None)
     if why == "no compiler":
         monkeypatch.setenv("CXX", "no-such-compiler")
-        monkeypatch.setattr(native.shutil, "which", lambda name: None)
+        monkeypatch.setattr(native.native_build.shutil, "which", lambda name: None)
     elif why == "build fails":  # a "compiler" that fails every command, this test's cache holding no build
         monkeypatch.setenv("CXX", "false")
     else:

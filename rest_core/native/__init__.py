@@ -15,26 +15,26 @@ tree's best prefixes in one call (the numpy path's nodes and bit-equal scores, w
 each of which runs from cold caches right after a pass); `rank_tree.cpp` ranks that tree's nodes by the cost
 model's chances (its numpy path's ~40 operations in one call, bit-equal too).  Each is compiled with the
 machine's C++ compiler for this very CPU (-march=native) into the cache (`<cache>/native/`, one file per machine
-key and source; the linear kernels linked to the OpenMP runtime torch already uses) and loaded with ctypes: no
-build step at install time, nothing to download.  Where there is no compiler, the build fails, or
-REST_LAB_NATIVE=0, `library()` / `top_k_library()` / `attention_library()` / `cache_rows_library()` /
-`draft_tree_library()` / `rank_tree_library()` return None and `unavailable()` says why for the linear kernel; the callers then keep their torch (or numpy) paths.
+key and source, by `datastores.native.build`; the linear kernels linked to the OpenMP runtime torch already
+uses) and loaded with ctypes: no build step at install time, nothing to download.  Where there is no compiler,
+the build fails, or REST_LAB_NATIVE=0, `library()` / `top_k_library()` / `attention_library()` /
+`cache_rows_library()` / `draft_tree_library()` / `rank_tree_library()` return None and `unavailable()` says
+why for the linear kernel; the callers then keep their torch (or numpy) paths.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
+from datastores import native as native_build
 from datastores.common import cache_dir
+from datastores.native import ENV  # "0" / "off": never build or load the kernel
 from rest_core.machine import machine_key
 
 SOURCE = Path(__file__).with_name("blocked_linear.cpp")
@@ -44,7 +44,6 @@ CACHE_ROWS_SOURCE = Path(__file__).with_name("cache_rows.cpp")
 DRAFT_TREE_SOURCE = Path(__file__).with_name("draft_tree.cpp")
 RANK_TREE_SOURCE = Path(__file__).with_name("rank_tree.cpp")
 MAX_TOP_K = 64  # the largest k row_top_k.cpp takes
-ENV = "REST_LAB_NATIVE"  # "0" / "off": never build or load the kernel
 PANEL = 16  # output columns per panel (the kernel's NB; checked against the library at load)
 PROFILE_NAME = "rest_lab::blocked_linear"  # what a torch profile calls the kernel
 ATTENTION_PROFILE_NAME = "rest_lab::attention"
@@ -106,7 +105,7 @@ def use_kernel(fn, tall=None) -> None:
 
 
 def _switched_off() -> bool:
-    return (os.environ.get(ENV) or "").strip().lower() in ("0", "off", "no", "false")
+    return native_build.switched_off()
 
 
 def _optional_library(source: Path, stem: str, openmp: bool, declare) -> Optional[ctypes.CDLL]:
@@ -378,42 +377,24 @@ def tall_rows() -> int:
 
 
 def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    raise OSError("no C++ compiler found (set CXX, or install g++): REST Lab's native kernels are not built")
+    return native_build.compiler()
 
 
 def source_tag(source: Path = SOURCE) -> str:
     """A short hash of a kernel's source (by default the linear kernel's: a choice of kernels measured with
     another version of it is measured again)."""
-    try:
-        return hashlib.sha256(source.read_bytes()).hexdigest()[:10]
-    except OSError:
-        return "missing"
+    return native_build.source_tag(source)
 
 
 def _built(source: Path, stem: str, openmp: bool) -> Path:
     """The compiled library of one source for this machine, compiled now when missing (atomically)."""
-    out = cache_dir() / "native" / f"{stem}-{machine_key()}-{source_tag(source)}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    name = f"{stem}-{machine_key()}-{source_tag(source)}"
+    if (cache_dir() / "native" / f"{name}.so").exists():
+        return cache_dir() / "native" / f"{name}.so"
     torch_lib = Path(torch.__file__).parent / "lib"
-    cxx = _compiler()
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        target = Path(tmp) / out.name
-        base = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", str(source), "-o", str(target)]
-        threads = ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"] if openmp else []
-        first_error = ""
-        attempts = [["-march=native"] + threads, threads, ["-march=native"]] if openmp else [["-march=native"], []]
-        for flags in attempts:  # the best first
-            run = subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
-            if run.returncode == 0:
-                os.replace(target, out)
-                return out
-            first_error = first_error or ((run.stderr or run.stdout).strip().splitlines() or ["no output"])[-1]
-        raise OSError(f"{cxx} could not build {source.name}: {first_error}")
+    threads = ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"] if openmp else []
+    attempts = [["-march=native"] + threads, threads, ["-march=native"]] if openmp else [["-march=native"], []]
+    return native_build.build(source, name, attempts, cxx=_compiler())
 
 
 def pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

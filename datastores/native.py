@@ -1,0 +1,111 @@
+"""Native helpers built on this machine at first use: the compiler step, and the static store's lookup.
+
+`build` compiles one C++ source into a shared library in the cache (`<cache>/native/`), trying a list of flag
+sets best first (this CPU's own instructions, then portable ones), atomically, so two processes never load a
+half-written file; rest_core.native builds its kernels with it too.  `static_lookup_library()` is
+`static_lookup.cpp` loaded with ctypes: a static store's whole lookup in one call (the Python path's binary
+searches probe for probe, each probe a few memory reads instead of a few microseconds of interpreter work).
+Where there is no compiler, the build fails, or REST_LAB_NATIVE=0, it is None and the stores keep their Python
+path, with the same answers.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from datastores.common import cache_dir
+
+ENV = "REST_LAB_NATIVE"  # "0" / "off": never build or load native code
+STATIC_LOOKUP_SOURCE = Path(__file__).with_name("static_lookup.cpp")
+
+_libraries: dict[str, Optional[ctypes.CDLL]] = {}  # by stem, once tried
+
+
+def switched_off() -> bool:
+    return (os.environ.get(ENV) or "").strip().lower() in ("0", "off", "no", "false")
+
+
+def compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise OSError("no C++ compiler found (set CXX, or install g++): REST Lab's native code is not built")
+
+
+def source_tag(source: Path) -> str:
+    """A short hash of a source file: a changed source is built again."""
+    try:
+        return hashlib.sha256(source.read_bytes()).hexdigest()[:10]
+    except OSError:
+        return "missing"
+
+
+def cpu_key() -> str:
+    """A short key of this CPU's model and instruction set (what -march=native compiles for)."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            seen = {}
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "flags") and key not in seen:
+                    seen[key] = value.strip()
+                if len(seen) == 2:
+                    break
+        text += "|" + "|".join(f"{k}={v}" for k, v in sorted(seen.items()))
+    except OSError:
+        text += "|" + platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def build(source: Path, name: str, attempts: list[list[str]], cxx: Optional[str] = None) -> Path:
+    """`<cache>/native/<name>.so` compiled from `source` when missing: the first of `attempts` (extra compiler
+    flags) that builds wins; OSError with the compiler's first complaint when none does."""
+    out = cache_dir() / "native" / f"{name}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cxx = cxx or compiler()
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        target = Path(tmp) / out.name
+        base = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", str(source), "-o", str(target)]
+        first_error = ""
+        for flags in attempts:  # the best first
+            run = subprocess.run(base + flags, capture_output=True, text=True, timeout=120)
+            if run.returncode == 0:
+                os.replace(target, out)
+                return out
+            first_error = first_error or ((run.stderr or run.stdout).strip().splitlines() or ["no output"])[-1]
+        raise OSError(f"{cxx} could not build {source.name}: {first_error}")
+
+
+def _declare_static_lookup(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rest_lab_static_lookup.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64,
+                                           i64, ptr, ptr]
+    lib.rest_lab_static_lookup.restype = i64
+
+
+def static_lookup_library() -> Optional[ctypes.CDLL]:
+    """The loaded static-lookup library, built first if this machine has none yet; None when it cannot be had."""
+    stem = "static-lookup"
+    if stem not in _libraries:
+        lib = None
+        if not switched_off():
+            try:
+                path = build(STATIC_LOOKUP_SOURCE, f"{stem}-{cpu_key()}-{source_tag(STATIC_LOOKUP_SOURCE)}",
+                             [["-march=native"], []])
+                lib = ctypes.CDLL(str(path))
+                _declare_static_lookup(lib)
+            except (OSError, subprocess.SubprocessError, ValueError, AttributeError):
+                lib = None
+        _libraries[stem] = lib
+    return _libraries[stem]
