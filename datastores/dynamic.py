@@ -18,6 +18,7 @@ amortized and a lookup stays O(log N + tail).
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from datastores.common import (
     query_tail,
     write_atomic,
 )
+from datastores.native import request_scan_library
 
 _MASK = (1 << 64) - 1
 _M1 = 0x9E3779B97F4A7C15
@@ -46,6 +48,7 @@ _M1_U, _M2_U, _P_U = np.uint64(_M1), np.uint64(_M2), np.uint64(_P)
 
 __all__ = ["HistoryStore", "RequestStore"]
 
+SCAN_MAX = 1 << 14  # a stream of up to this many tokens is looked up by one native scan (~10 us) where it is built
 SMALL_APPEND = 8  # appends of up to this many tokens (a decoding step's) are hashed with Python integers
 
 
@@ -139,12 +142,19 @@ class _Postings:
 
 
 class _NgramIndex:
-    """A growing token stream (SEP between documents) with hashed n-gram postings."""
+    """A growing token stream (SEP between documents) with hashed n-gram postings.
 
-    def __init__(self, n_max: int, n_min: int):
+    With ``scan`` (a loaded `request_scan.cpp`) a stream of up to SCAN_MAX tokens is looked up by one native scan,
+    with the same answers; without ``hashed`` it keeps no postings at all and always scans (the request store: its
+    few thousand tokens cost less to scan than to hash every step)."""
+
+    def __init__(self, n_max: int, n_min: int, scan=None, hashed: bool = True):
         if n_min < 1 or n_max < n_min:
             raise DatastoreError(f"n_min={n_min}, n_max={n_max}: need 1 <= n_min <= n_max")
+        if not hashed and scan is None:
+            raise DatastoreError("an index without postings needs the native scan to look anything up")
         self.n_min, self.n_max = n_min, n_max
+        self.scan, self.hashed = scan, hashed
         levels, n = [], n_min
         while n <= n_max:
             levels.append(n)
@@ -170,7 +180,8 @@ class _NgramIndex:
         self.size += k
         if new_doc:
             self.doc_start = start + (1 if start else 0)
-        self._index(start)
+        if self.hashed:
+            self._index(start)
 
     def _index(self, first_new: int) -> None:
         """Hash the n-grams ending at positions first_new.. that lie inside the document."""
@@ -215,6 +226,8 @@ class _NgramIndex:
         m = len(newest)
         if m < n_min or self.size == 0:
             return 0, 0, np.empty(0, dtype=np.int64)
+        if self.scan is not None and (not self.hashed or self.size <= SCAN_MAX):
+            return self._scanned(newest, n_min, max_matches)
         last = self.size - 1  # an n-gram ending here has no continuation (the request store's own newest tokens)
         first = self.postings[self.n_min].find(_query_hashes(newest[:self.n_min], [self.n_min])[self.n_min])
         if not first.size or first[0] >= last or first[-1] < self.live_start:
@@ -250,6 +263,17 @@ class _NgramIndex:
             if level <= n_min:
                 break  # shorter levels cannot reach n_min
         return 0, 0, np.empty(0, dtype=np.int64)
+
+    def _scanned(self, newest: list[int], n_min: int, max_matches: int) -> tuple[int, int, np.ndarray]:
+        """`match` by one native scan of the stream (the same matched length, count and positions)."""
+        chosen = np.empty(min(max_matches, self.size), dtype=np.int64)
+        info = (ctypes.c_int64 * 2)()
+        k = self.scan.rest_lab_request_scan(self.toks.ctypes.data, self.size, self.live_start,
+                                            (ctypes.c_int64 * len(newest))(*newest), len(newest), n_min,
+                                            max(1, chosen.size), chosen.ctypes.data, info)
+        if k < 0:
+            raise DatastoreError("the request store's scan refused its input (a bug: please report it)")
+        return (info[0], info[1], chosen[:k]) if info[0] else (0, 0, np.empty(0, dtype=np.int64))
 
     def gather(self, ends: np.ndarray, length: int) -> np.ndarray:
         return gather_continuations(self.toks, ends, length, self.size)
@@ -287,13 +311,14 @@ class RequestStore(StoreBase):
 
     source = "request"
 
-    def __init__(self, tokens: Sequence[int] = (), n_max: int = 16, n_min: int = 2):
-        self._index = _NgramIndex(n_max, n_min)
+    def __init__(self, tokens: Sequence[int] = (), n_max: int = 16, n_min: int = 2, native: bool = True):
+        self._scan = request_scan_library() if native else None  # None: the hashed index
+        self._index = _NgramIndex(n_max, n_min, self._scan, hashed=self._scan is None)
         self.n_max, self.n_min = n_max, n_min
         self.extend(tokens)
 
     def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
-        self._index = _NgramIndex(n_max, n_min)
+        self._index = _NgramIndex(n_max, n_min, self._scan, hashed=self._scan is None)
         self.n_max, self.n_min = n_max, n_min
         self.extend(prompt)
 
@@ -332,9 +357,10 @@ class HistoryStore(StoreBase):
 
     source = "history"
 
-    def __init__(self, path=None, n_max: int = 16, n_min: int = 2, max_tokens: int = 1_000_000):
+    def __init__(self, path=None, n_max: int = 16, n_min: int = 2, max_tokens: int = 1_000_000, native: bool = True):
         if max_tokens < 1:
             raise DatastoreError(f"max_tokens={max_tokens}: pass a positive history size")
+        self._scan = request_scan_library() if native else None  # scans a small history; hashed when it grows
         self.path = Path(path) if path is not None else None
         self.n_max, self.n_min, self.max_tokens = n_max, n_min, max_tokens
         self._reset()
@@ -360,7 +386,7 @@ class HistoryStore(StoreBase):
             self.add(answer)
 
     def _reset(self) -> None:
-        self._index = _NgramIndex(self.n_max, self.n_min)
+        self._index = _NgramIndex(self.n_max, self.n_min, self._scan)
         self._docs: list[tuple[int, int]] = []  # (start position, length) of live answers
         self._first = 0  # index into _docs of the oldest live answer
         self.n_tokens = 0

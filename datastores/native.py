@@ -5,8 +5,9 @@ sets best first (this CPU's own instructions, then portable ones), atomically, s
 half-written file; rest_core.native builds its kernels with it too.  `static_lookup_library()` is
 `static_lookup.cpp` loaded with ctypes: a static store's whole lookup in one call (the Python path's binary
 searches probe for probe, each probe a few memory reads instead of a few microseconds of interpreter work).
-Where there is no compiler, the build fails, or REST_LAB_NATIVE=0, it is None and the stores keep their Python
-path, with the same answers.
+`request_scan_library()` is `request_scan.cpp`: the request store's lookup as one scan of its few thousand
+tokens, so the store needs no hashed index of its own.  Where there is no compiler, the build fails, or
+REST_LAB_NATIVE=0, they are None and the stores keep their Python paths, with the same answers.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from datastores.common import cache_dir
 
 ENV = "REST_LAB_NATIVE"  # "0" / "off": never build or load native code
 STATIC_LOOKUP_SOURCE = Path(__file__).with_name("static_lookup.cpp")
+REQUEST_SCAN_SOURCE = Path(__file__).with_name("request_scan.cpp")
 
 _libraries: dict[str, Optional[ctypes.CDLL]] = {}  # by stem, once tried
 
@@ -94,18 +96,33 @@ def _declare_static_lookup(lib: ctypes.CDLL) -> None:
     lib.rest_lab_static_lookup.restype = i64
 
 
-def static_lookup_library() -> Optional[ctypes.CDLL]:
-    """The loaded static-lookup library, built first if this machine has none yet; None when it cannot be had."""
-    stem = "static-lookup"
+def _library(source: Path, stem: str, declare) -> Optional[ctypes.CDLL]:
+    """A library that only makes a lookup faster: built at first use, loaded and declared once; None when it cannot
+    be had (the store keeps its Python path)."""
     if stem not in _libraries:
         lib = None
         if not switched_off():
             try:
-                path = build(STATIC_LOOKUP_SOURCE, f"{stem}-{cpu_key()}-{source_tag(STATIC_LOOKUP_SOURCE)}",
-                             [["-march=native"], []])
-                lib = ctypes.CDLL(str(path))
-                _declare_static_lookup(lib)
+                name = f"{stem}-{cpu_key()}-{source_tag(source)}"
+                lib = ctypes.CDLL(str(build(source, name, [["-march=native"], []])))
+                declare(lib)
             except (OSError, subprocess.SubprocessError, ValueError, AttributeError):
                 lib = None
         _libraries[stem] = lib
     return _libraries[stem]
+
+
+def static_lookup_library() -> Optional[ctypes.CDLL]:
+    """The loaded static-lookup library, built first if this machine has none yet; None when it cannot be had."""
+    return _library(STATIC_LOOKUP_SOURCE, "static-lookup", _declare_static_lookup)
+
+
+def _declare_request_scan(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rest_lab_request_scan.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr]
+    lib.rest_lab_request_scan.restype = i64
+
+
+def request_scan_library() -> Optional[ctypes.CDLL]:
+    """The loaded request-scan library, built first if this machine has none yet; None when it cannot be had."""
+    return _library(REQUEST_SCAN_SOURCE, "request-scan", _declare_request_scan)

@@ -27,6 +27,7 @@ from datastores import (
     reversed_suffix_array,
     tokenizer_fingerprint,
 )
+from datastores.native import request_scan_library
 from datastores.static import LEFT_CONTEXT_TOKENS, SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS
 from rest_core.datastore_cli import main
 
@@ -236,9 +237,12 @@ def test_a_step_of_bad_ids_is_refused_and_changes_nothing():
 @FAST
 @given(chunks=st.lists(st.lists(token, max_size=12), min_size=1, max_size=5), ctx=ctx_strategy,
        n_max=st.integers(2, 9), max_matches=st.integers(1, 6), L=st.integers(1, 5),
-       use_own_tokens=st.booleans())
-def test_request_store_equals_brute_force(chunks, ctx, n_max, max_matches, L, use_own_tokens):
-    store = RequestStore(chunks[0], n_max=8, n_min=2)
+       use_own_tokens=st.booleans(), native=st.booleans())
+def test_request_store_equals_brute_force(chunks, ctx, n_max, max_matches, L, use_own_tokens, native):
+    """Both ways of answering (one native scan of the stream; the hashed n-gram index) match a brute-force scan."""
+    store = RequestStore(chunks[0], n_max=8, n_min=2, native=native)
+    if native and request_scan_library() is not None:
+        assert store._index.scan is not None and not store._index.postings[2].tail_len  # nothing hashed
     for c in chunks[1:]:
         store.extend(c)
     stream = [t for c in chunks for t in c]
@@ -255,10 +259,10 @@ def test_request_store_equals_brute_force(chunks, ctx, n_max, max_matches, L, us
 @FAST
 @given(answers=st.lists(st.lists(token, max_size=15), min_size=1, max_size=8), ctx=ctx_strategy,
        n_max=st.integers(2, 9), n_min=st.integers(2, 4), max_tokens=st.integers(1, 60),
-       max_matches=st.integers(1, 6), L=st.integers(1, 5))
-def test_history_store_equals_brute_force(answers, ctx, n_max, n_min, max_tokens, max_matches, L):
+       max_matches=st.integers(1, 6), L=st.integers(1, 5), native=st.booleans())
+def test_history_store_equals_brute_force(answers, ctx, n_max, n_min, max_tokens, max_matches, L, native):
     n_min = min(n_min, n_max)
-    store = HistoryStore(n_max=8, n_min=2, max_tokens=max_tokens)
+    store = HistoryStore(n_max=8, n_min=2, max_tokens=max_tokens, native=native)
     kept: list[list[int]] = []
     for a in answers:
         store.add(a)
@@ -285,7 +289,7 @@ def test_short_appends_hashed_in_python_index_the_same_n_grams_as_numpy(monkeypa
         cuts.append(cuts[-1] + int(rng.integers(1, 10)))  # 1-9 tokens: both sides of SMALL_APPEND
 
     def build():
-        request = RequestStore(stream[:3], n_max=16, n_min=2)
+        request = RequestStore(stream[:3], n_max=16, n_min=2, native=False)  # the hashed index
         for a, b in zip(cuts, cuts[1:]):
             request.extend(stream[a:b].tolist())  # a list of ints, as the decoder hands over
         history = HistoryStore(n_max=16, n_min=2)
@@ -309,17 +313,28 @@ def test_short_appends_hashed_in_python_index_the_same_n_grams_as_numpy(monkeypa
         rows(reference[0].lookup(ctx, continuation_len=3).continuations)
 
 
-def test_dynamic_stores_scale_past_the_merge_threshold():
+@pytest.mark.parametrize("native", [False, True])
+def test_dynamic_stores_scale_past_the_merge_threshold(native):
     rng = np.random.default_rng(0)
     stream = rng.integers(0, 50, size=40_000)
-    store = RequestStore(stream[:100])
+    store = RequestStore(stream[:100], native=native)
     for k in range(100, stream.size, 997):
         store.extend(stream[k:k + 997])
-    ctx = stream[-5:].tolist()
-    n, occ = brute_match(stream.tolist(), ctx, 16, 2)
-    got = store.lookup(ctx, max_matches=3, continuation_len=3)
-    assert (got.matched_len, got.total_matches) == (n, len(occ))
-    assert rows(got.continuations) == [brute_row(stream.tolist(), i, 3) for i in sorted(occ)[::-1][:3]]
+    for ctx in (stream[-5:].tolist(), stream[-5:].tolist() + [7, 7]):
+        n, occ = brute_match(stream.tolist(), ctx, 16, 2)
+        got = store.lookup(ctx, max_matches=3, continuation_len=3)
+        assert (got.matched_len, got.total_matches) == (n, len(occ))
+        assert rows(got.continuations) == [brute_row(stream.tolist(), i, 3) for i in sorted(occ)[::-1][:3]]
+    # a history scanned while small, looked up through its hashes once past SCAN_MAX: the same answers as a scan
+    history, docs = HistoryStore(native=native), []
+    for k in range(0, 30_000, 1500):
+        history.add(stream[k:k + 1500])
+        docs.append(stream[k:k + 1500].tolist())
+        ctx = stream[k + 1490:k + 1497].tolist()
+        n, occ = brute_match(join_docs(docs), ctx, 16, 2)
+        got = history.lookup(ctx, max_matches=4, continuation_len=3)
+        assert (got.matched_len, got.total_matches) == (n, len(occ)), k
+        assert rows(got.continuations) == [brute_row(join_docs(docs), i, 3) for i in sorted(occ)[::-1][:4]]
 
 
 def test_history_persistence_round_trip(tmp_path):
