@@ -1,4 +1,4 @@
-"""Native helpers built on this machine at first use: the compiler step, and the static store's lookup.
+"""Native helpers built on this machine at first use: the compiler step, and the stores' lookups.
 
 `build` compiles one C++ source into a shared library in the cache (`<cache>/native/`), trying a list of flag
 sets best first (this CPU's own instructions, then portable ones), atomically, so two processes never load a
@@ -6,8 +6,9 @@ half-written file; rest_core.native builds its kernels with it too.  `static_loo
 `static_lookup.cpp` loaded with ctypes: a static store's whole lookup in one call (the Python path's binary
 searches probe for probe, each probe a few memory reads instead of a few microseconds of interpreter work).
 `request_scan_library()` is `request_scan.cpp`: the request store's lookup as one scan of its few thousand
-tokens, so the store needs no hashed index of its own.  Where there is no compiler, the build fails, or
-REST_LAB_NATIVE=0, they are None and the stores keep their Python paths, with the same answers.
+tokens, so the store needs no hashed index of its own.  `recycle_grow_library()` is `recycle_grow.cpp`: the
+model source's draft (its tree of recorded successors, as rows) in one call.  Where there is no compiler, the
+build fails, or REST_LAB_NATIVE=0, they are None and the stores keep their Python paths, with the same answers.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from datastores.common import cache_dir
 ENV = "REST_LAB_NATIVE"  # "0" / "off": never build or load native code
 STATIC_LOOKUP_SOURCE = Path(__file__).with_name("static_lookup.cpp")
 REQUEST_SCAN_SOURCE = Path(__file__).with_name("request_scan.cpp")
+RECYCLE_GROW_SOURCE = Path(__file__).with_name("recycle_grow.cpp")
 
 _libraries: dict[str, Optional[ctypes.CDLL]] = {}  # by stem, once tried
 
@@ -126,3 +128,15 @@ def _declare_request_scan(lib: ctypes.CDLL) -> None:
 def request_scan_library() -> Optional[ctypes.CDLL]:
     """The loaded request-scan library, built first if this machine has none yet; None when it cannot be had."""
     return _library(REQUEST_SCAN_SOURCE, "request-scan", _declare_request_scan)
+
+
+def _declare_recycle_grow(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rest_lab_recycle_grow.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_uint64, i64, ptr, i64, ptr, i64, ptr,
+                                          i64, i64, i64, i64, ctypes.c_double, i64, ptr, ptr]
+    lib.rest_lab_recycle_grow.restype = i64
+
+
+def recycle_grow_library() -> Optional[ctypes.CDLL]:
+    """The loaded model-source library, built first if this machine has none yet; None when it cannot be had."""
+    return _library(RECYCLE_GROW_SOURCE, "recycle-grow", _declare_recycle_grow)

@@ -27,6 +27,7 @@ so the draft tree's prefix counts order the nodes by that chance.
 """
 from __future__ import annotations
 
+import ctypes
 import io
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +44,7 @@ from datastores.common import (
     query_ids,
     write_atomic,
 )
+from datastores.native import recycle_grow_library
 
 BRANCHING = (4, 3, 2, 2, 1, 1, 1, 1, 1, 1)  # children per node at each depth of the drafted tree
 # prior chance that the rank-r successor recorded after the same two tokens is the model's next token, and
@@ -74,6 +76,9 @@ class RecycleStore(StoreBase):
             raise DatastoreError(f"vocab_size={vocab_size}, k={k}: need a positive vocabulary and 1 <= k <= 64")
         self.vocab_size, self.successors_k = int(vocab_size), int(k)
         self.branching = tuple(int(b) for b in branching)
+        self._branching_c = (ctypes.c_int64 * max(1, len(self.branching)))(*self.branching)
+        self.native = True  # draft with recycle_grow.cpp where it can be had (False: the Python path)
+        self._addresses = None  # ((table, pair keys, pair table), their data addresses) as last seen
         self.path = Path(path) if path is not None else None
         self.table = np.full((self.vocab_size, self.successors_k), -1, dtype=np.int32)  # (V, k), -1 = unknown
         # per pair (previous token, token): key previous * V + token in its hashed slot (-1 = empty), successors
@@ -156,6 +161,10 @@ class RecycleStore(StoreBase):
         if not tail or not 0 <= tail[-1] < self.vocab_size or self.table[tail[-1], 0] < 0:
             return empty_lookup(self.source, continuation_len)  # a pair is only ever kept with its token
         previous, last = (tail[0] if len(tail) == 2 else -1), tail[-1]
+        if self.native:
+            found = self._grow_native(previous, last, continuation_len, max_matches)
+            if found is not None:
+                return found
         paths, masses, paired = self._grow(previous, last, continuation_len)
         # rows per path (round half to even, as numpy rounds); Python integers and two array calls in all, since
         # right after a forward pass each distinct numpy operation runs from cold caches
@@ -165,6 +174,31 @@ class RecycleStore(StoreBase):
         rows = np.array([path + (-1,) * (continuation_len - len(path)) for path, _ in kept], dtype=np.int64)
         rows = np.repeat(rows, [n for _, n in kept], axis=0)[:max_matches]
         return Lookup(self.source, 2 if paired else 1, int(rows.shape[0]), rows)
+
+    def _grow_native(self, previous: int, root: int, depth: int, max_matches: int) -> Lookup | None:
+        """`lookup`'s rows from `recycle_grow.cpp` in one call (the same rows in the same order), or None where that
+        library cannot be had (the Python path then answers)."""
+        lib = recycle_grow_library()
+        if lib is None:
+            return None
+        tables = (self.table, self.pair_keys, self.pair_table)
+        if self._addresses is None or any(a is not b for a, b in zip(self._addresses[0], tables)):
+            if not all(t.flags.c_contiguous for t in tables) or self.table.dtype != np.int32 \
+                    or self.pair_table.dtype != np.int32 or self.pair_keys.dtype != np.int64:
+                return None
+            self._addresses = (tables, tuple(t.ctypes.data for t in tables))
+        table, keys, pairs = self._addresses[1]
+        rows = np.empty((min(max_matches, 4 * ROW_SCALE), depth), dtype=np.int64)
+        info = (ctypes.c_int64 * 1)()
+        n = lib.rest_lab_recycle_grow(table, self.vocab_size, self.successors_k, keys, pairs, _GOLDEN, _SHIFT,
+                                      self._branching_c, len(self.branching), _PAIR_PRIOR_C, len(PAIR_PRIOR),
+                                      _TOKEN_PRIOR_C, len(TOKEN_PRIOR), previous, root, depth, float(ROW_SCALE),
+                                      rows.shape[0], rows.ctypes.data, info)
+        if n < 0 or (n == rows.shape[0] < max_matches):  # refused, or the buffer may have cut rows: Python
+            return None
+        if n == 0:
+            return empty_lookup(self.source, depth)
+        return Lookup(self.source, 2 if info[0] else 1, n, rows[:n].copy())
 
     def _grow(self, previous: int, root: int, depth: int) -> tuple[list[tuple[int, ...]], list[float], bool]:
         """Every drafted path with the share of the prior chance that ends there, and whether the root's
@@ -236,6 +270,10 @@ class RecycleStore(StoreBase):
                                  f"needs {self.pair_table.shape}; delete it to start afresh")
         self.table = table.copy()
         self.pair_keys, self.pair_table = pair_keys.copy(), pair_table.copy()
+
+
+_PAIR_PRIOR_C = (ctypes.c_double * len(PAIR_PRIOR))(*PAIR_PRIOR)
+_TOKEN_PRIOR_C = (ctypes.c_double * len(TOKEN_PRIOR))(*TOKEN_PRIOR)
 
 
 def _slot(key: int) -> int:

@@ -157,8 +157,11 @@ def test_wheel_installs_and_its_commands_work(space, tmp_path):
                       if p.parts[len(ROOT.parts)] in ("rest_core", "datastores"))
     assert all(f"{pkg}/__init__.py" in names for pkg in packages), sorted(set(packages) - {n.rsplit('/', 1)[0]
                                                                                           for n in names})
-    assert {"rest_core/app/assets/app.css", "rest_core/app/assets/intro.md",
-            "rest_core/native/blocked_linear.cpp"} <= set(names)  # the kernel is built from its source at first use
+    sources = {str(p.relative_to(ROOT)) for p in (*ROOT.glob("rest_core/**/*.cpp"), *ROOT.glob("datastores/*.cpp"))}
+    assert {"rest_core/native/blocked_linear.cpp", "datastores/static_lookup.cpp"} <= sources
+    # the native code is built from its sources at first use
+    assert {"rest_core/app/assets/app.css", "rest_core/app/assets/intro.md", *sources} <= set(names), \
+        sorted(sources - set(names))
     # no index: every dependency must already be there, i.e. the wheel asks for what requirements.txt installs
     run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-index", str(wheel)], PIP_TIMEOUT_S, env=env)
 

@@ -236,3 +236,35 @@ def test_the_successor_replay_counts_a_triple_that_tells_two_contexts_of_a_pair_
     assert chains["chain tokens/step, keys up to 1"] == chains["chain tokens/step, keys up to 2"] == round(12 / 9, 3)
     assert chains["chain tokens/step, keys up to 3"] == round(12 / 8, 3)
 
+
+
+def test_the_native_draft_is_the_python_paths_row_for_row():
+    """`recycle_grow.cpp` drafts the same rows in the same order as the Python path: random tables (unknown
+    successors included), pairs seen and not, random depths, branchings and row limits."""
+    from datastores.native import recycle_grow_library
+    if recycle_grow_library() is None:
+        pytest.skip("no C++ compiler here: the Python path is the only one")
+    rng = np.random.default_rng(5)
+    native_answers = 0
+    for trial in range(300):
+        vocab, k = int(rng.integers(8, 40)), int(rng.integers(1, 9))
+        branching = tuple(int(b) for b in rng.integers(1, 5, size=int(rng.integers(1, 8))))
+        store = RecycleStore(vocab_size=vocab, k=k, branching=branching)
+        n = int(rng.integers(1, 3 * vocab))
+        tokens = rng.integers(0, vocab, size=n)
+        succ = rng.integers(0, vocab, size=(n, k))
+        succ[rng.random((n, k)) < 0.1] = -1  # unknown successors here and there
+        store.observe(tokens, succ, previous=np.where(rng.random(n) < 0.7, rng.integers(0, vocab, size=n), -1))
+        for _ in range(5):
+            ctx = rng.integers(0, vocab, size=int(rng.integers(1, 4))).tolist()
+            depth, limit = int(rng.integers(1, 25)), int(rng.integers(1, 300))
+            store.native = True
+            native = store.lookup(ctx, continuation_len=depth, max_matches=limit)
+            assert store._addresses is not None or not native.total_matches  # the native path answered
+            store.native = False
+            python = store.lookup(ctx, continuation_len=depth, max_matches=limit)
+            assert (native.matched_len, native.total_matches) == (python.matched_len, python.total_matches), trial
+            assert native.continuations.shape == python.continuations.shape, trial
+            assert np.array_equal(native.continuations, python.continuations), trial
+            native_answers += native.total_matches > 0
+    assert native_answers > 500
