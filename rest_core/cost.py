@@ -118,6 +118,7 @@ class CostModel:
     # the request's correction, of the tested nodes that many sources drafted (rows 0 / 1)
     agreement: np.ndarray = field(default_factory=lambda: np.zeros((2, AGREE_LEVELS)))
     use_agreement: bool = True  # False: no agreement correction (side-by-side runs)
+    native_ranking: bool = True  # False: rank with numpy even where rank_tree.cpp is built (side-by-side runs)
 
     def __post_init__(self) -> None:
         self.times_ms = np.array(self.times_ms, dtype=float)
@@ -251,6 +252,8 @@ class CostModel:
                        with_budget: bool = False) -> Optional[tuple[np.ndarray, np.ndarray, int]]:
         """`ranked` (and with_budget, the best budget of `_best_budget`) in one native call; None where it cannot
         be had."""
+        if not self.native_ranking:
+            return None
         names: dict[str, int] = {}
         index = [-1]
         for name in tree.sources[1:]:
