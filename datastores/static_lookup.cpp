@@ -49,6 +49,14 @@ struct Store {
         return j;
     }
 
+    // the longest lcp with q of the ranks next to insertion point p (p - 1 and p) that lie in [lo, hi); 0 if none
+    int64_t lcp_around(int64_t p, const uint32_t* q, int64_t m, int64_t lo, int64_t hi) const {
+        int64_t best = 0;
+        for (int64_t r : {p - 1, p})
+            if (lo <= r && r < hi) best = std::max(best, lcp(r, q, m));
+        return best;
+    }
+
     // first rank in [lo, hi) whose m-token backward string is >= q
     int64_t lower_bound(const uint32_t* q, int64_t m, int64_t lo, int64_t hi) const {
         while (lo < hi) {
@@ -96,15 +104,7 @@ struct Store {
     void select_by_left_context(const uint32_t* ext, int64_t e, int64_t lo, int64_t hi, int64_t k,
                                 std::vector<int64_t>& out) const {
         const int64_t pe = lower_bound(ext, e, lo, hi);
-        int64_t top = 0;
-        bool any = false;
-        for (int64_t r : {pe - 1, pe}) {
-            if (lo <= r && r < hi) {
-                const int64_t l = lcp(r, ext, e);
-                top = any ? std::max(top, l) : l;
-                any = true;
-            }
-        }
+        const int64_t top = lcp_around(pe, ext, e, lo, hi);
         int64_t in_lo = pe, in_hi = pe, blo = pe, bhi = pe, agree = top;
         while (true) {
             gallop(ext, agree, blo, bhi);
@@ -151,15 +151,7 @@ struct Store {
             b = first[t + 1];
         }
         const int64_t p = lower_bound(q, m, a, b);
-        int64_t best = 0;
-        bool any = false;
-        for (int64_t r : {p - 1, p}) {
-            if (a <= r && r < b) {
-                const int64_t l = lcp(r, q, m);
-                best = any ? std::max(best, l) : l;
-                any = true;
-            }
-        }
+        const int64_t best = lcp_around(p, q, m, a, b);
         int64_t lo = p, hi = p, n_tok = best, live = 0;
         while (true) {
             if (n_tok < n_min) return 0;

@@ -22,10 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rest_core.bench.methods import rest_full_stores
+from rest_core.bench.methods import rest_full_decoders, suite_arguments
 from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import load_suite
-from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
 from rest_core.machine import cpu_info
 from rest_core.model import load_model
@@ -73,23 +72,16 @@ class Calibration:
 
 def fresh_decoders(lm, suite: str) -> dict[str, RestDecoder]:
     """Both variants' decoders, each with its own stores (the history and the model's own predictions empty)
-    and cost model (the acceptance counts as saved on disk), warmed up."""
-    decoders = {}
-    for variant in VARIANTS:
-        stores, kind = rest_full_stores(lm, suite)
-        chooser = CostModel.for_model(lm, stores=stores, kind=kind)
+    and cost model (the acceptance counts as saved on disk)."""
+    def setup(variant, stores, chooser) -> None:
         chooser.use_agreement = variant == "agreement"
-        decoders[variant] = RestDecoder(lm, stores=stores, budget_chooser=chooser)
-    return decoders
+
+    return rest_full_decoders(lm, suite, VARIANTS, setup)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", choices=("chat", "humaneval"), default="chat")
-    ap.add_argument("--limit", type=int, default=16)
-    ap.add_argument("--prompts", nargs="+", metavar="ID", help="only these prompt ids (shell patterns work)")
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    suite_arguments(ap, rounds=1)
     ap.add_argument("--calibration", action="store_true",
                     help="also print, for the variant without the correction, how often the nodes of 1, 2, 3+ "
                          "sources were accepted against the chance the cost model gave them (that variant then "

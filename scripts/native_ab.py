@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datastores import HistoryStore, RecycleStore, RequestStore, TokenDatastore
-from rest_core.bench.methods import rest_full_stores
+from rest_core.bench.methods import rest_full_decoders, suite_arguments
 from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import load_suite
 from rest_core.cost import CostModel
@@ -53,23 +53,16 @@ def python_paths(stores, chooser: CostModel) -> None:
 
 
 def fresh_decoders(lm, suite: str) -> dict[str, RestDecoder]:
-    decoders = {}
-    for variant in VARIANTS:
-        stores, kind = rest_full_stores(lm, suite)
-        chooser = CostModel.for_model(lm, stores=stores, kind=kind)
+    def setup(variant, stores, chooser) -> None:
         if variant == "python":
             python_paths(stores, chooser)
-        decoders[variant] = RestDecoder(lm, stores=stores, budget_chooser=chooser)
-    return decoders
+
+    return rest_full_decoders(lm, suite, VARIANTS, setup)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", choices=("chat", "humaneval"), default="chat")
-    ap.add_argument("--limit", type=int, default=16)
-    ap.add_argument("--prompts", nargs="+", metavar="ID", help="only these prompt ids (shell patterns work)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    suite_arguments(ap, rounds=2)
     args = ap.parse_args()
     lm = load_model()
     prompts = load_suite(args.suite, lm.tokenizer, limit=args.limit, pick=args.prompts)

@@ -457,3 +457,32 @@ def test_the_agreement_script_counts_each_tested_node_with_its_sources(tiny_lm):
     assert all(1 <= sources <= 3 for _, sources, _ in hook.nodes) and max(s for _, s, _ in hook.nodes) >= 2
     assert all(0.0 <= chance <= 1.0 for chance, _, _ in hook.nodes)
     assert "2 sources" in hook.report()
+
+
+def test_the_native_side_by_side_script_puts_every_store_on_its_python_path(tiny_lm, tmp_path):
+    """scripts/native_ab.py's "python" variant: every store answers through its Python path (no native call made,
+    the request store hashed again) and the cost model ranks with numpy; a decode on those paths drafts and
+    decodes exactly what the native paths do (the same stores' contents, a cost curve that does not move)."""
+    from datastores import build_from_token_documents
+
+    module = script("native_ab")
+    prompt = PROMPTS[0]
+    plain, brute = store_from_plain(tiny_lm, prompt, 30)
+    results = {}
+    for variant in module.VARIANTS:
+        static = build_from_token_documents(tmp_path / variant, [brute.tokens], tokenizer_info={"name": "tiny"})
+        history, model = HistoryStore(path=None), RecycleStore(tiny_lm.vocab_size)
+        stores = assemble_stores(static=static, request=True, history=history, model=model)
+        chooser = CostModel(times_ms=np.array([10.0 + 0.1 * (q - 1) for q in GRID]))  # cheap trees: drafts
+        chooser._refresh_curve = lambda q, ms: None  # the same budgets on both paths, whatever the passes took
+        if variant == "python":
+            module.python_paths(stores, chooser)
+            assert static._native is False and model.native is False and chooser.native_ranking is False
+            request = next(s for s in stores if s.source == "request")
+            assert request._scan is None and request._index.hashed and history._index.scan is None
+        dec = RestDecoder(tiny_lm, stores=stores, budget_chooser=chooser)
+        cfg = DecodeConfig(max_new_tokens=30, stop_at_eos=False)
+        runs = [dec.generate(prompt, cfg) for _ in range(2)]  # the second drafts from the history too
+        results[variant] = [(r.tokens, r.steps, r.accepted_drafts) for r in runs]
+        assert all(r.tokens == plain.tokens for r in runs) and runs[1].accepted_drafts > 0
+    assert results["native"] == results["python"]

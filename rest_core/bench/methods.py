@@ -28,7 +28,7 @@ from __future__ import annotations
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -70,6 +70,29 @@ def rest_full_stores(lm: LoadedModel, suite: str) -> tuple[list[Store], str]:
                              answers=open_answers("default", lm.name, lm.tokenizer) if chat else None,
                              request=True, history=HistoryStore(path=None), model=RecycleStore(lm.vocab_size))
     return stores, "chat" if chat else "text"
+
+
+def rest_full_decoders(lm: LoadedModel, suite: str, variants: Sequence[str],
+                       setup: Callable[[str, list[Store], CostModel], None]) -> dict[str, RestDecoder]:
+    """One decoder per variant for a side-by-side script, each with its own `rest_full` stores (the history and
+    the model's own predictions empty) and cost model (the acceptance counts as saved on disk), after
+    `setup(variant, stores, cost_model)` made it that variant."""
+    decoders = {}
+    for variant in variants:
+        stores, kind = rest_full_stores(lm, suite)
+        chooser = CostModel.for_model(lm, stores=stores, kind=kind)
+        setup(variant, stores, chooser)
+        decoders[variant] = RestDecoder(lm, stores=stores, budget_chooser=chooser)
+    return decoders
+
+
+def suite_arguments(ap, rounds: int) -> None:
+    """The arguments every side-by-side script takes: the suite, how many of its prompts or which, rounds, length."""
+    ap.add_argument("--suite", choices=("chat", "humaneval"), default="chat")
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--prompts", nargs="+", metavar="ID", help="only these prompt ids (shell patterns work)")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
 
 
 def base_method(method: str) -> str:
