@@ -15,6 +15,11 @@ Each level keeps a sorted run (binary-searched) plus a small unsorted tail of th
 newest entries (scanned); the tail is merged into the run when it outgrows
 max(1024, run/8) capped at 16384 entries, so appending is O(new tokens * levels)
 amortized and a lookup stays O(log N + tail).
+
+Where `request_scan.cpp` is built (datastores.native) a stream of up to SCAN_MAX tokens is
+looked up by one native scan instead, with the same answers: the request store then keeps
+no hashed index at all (a decoding step appends its tokens and hashes nothing), and the
+history uses its index only once it holds more than SCAN_MAX tokens.
 """
 from __future__ import annotations
 
@@ -307,6 +312,7 @@ class RequestStore(StoreBase):
     The occurrence that *is* the end of the stored tokens has nothing after it and is
     never a match, so looking up the store's own tokens finds earlier repeats only.
     ``begin`` starts it afresh for each request, indexed for that request's suffix lengths.
+    Looked up by one native scan where that can be built (``native=False``: the hashed index).
     """
 
     source = "request"
@@ -353,6 +359,8 @@ class HistoryStore(StoreBase):
     When the total passes ``max_tokens`` the oldest answers are dropped (an answer longer
     than max_tokens keeps its last max_tokens tokens). ``path`` ending in ``.json`` is
     saved as JSON, anything else as ``.npz``; it is loaded on construction if it exists.
+    Up to SCAN_MAX tokens it is looked up by one native scan where that can be built
+    (``native=False``: always through its hashed index).
     """
 
     source = "history"
