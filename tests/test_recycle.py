@@ -268,3 +268,26 @@ def test_the_native_draft_is_the_python_paths_row_for_row():
             assert np.array_equal(native.continuations, python.continuations), trial
             native_answers += native.total_matches > 0
     assert native_answers > 500
+
+
+def test_the_native_draft_rounds_rows_half_to_even_as_python_does(monkeypatch):
+    """A path whose share of ROW_SCALE rows falls exactly on a half (priors that are binary fractions) gets the
+    Python path's round-half-to-even count natively too (12.5 -> 12 rows, 37.5 -> 38)."""
+    import ctypes
+
+    from datastores import recycle
+    from datastores.native import recycle_grow_library
+    if recycle_grow_library() is None:
+        pytest.skip("no C++ compiler here: the Python path is the only one")
+    priors = (0.125, 0.375, 0.25, 0.25)
+    for name in ("PAIR_PRIOR", "TOKEN_PRIOR"):
+        monkeypatch.setattr(recycle, name, priors)
+        monkeypatch.setattr(recycle, f"_{name}_C", (ctypes.c_double * len(priors))(*priors))
+    store = RecycleStore(vocab_size=8, k=2, branching=(2,))
+    store.observe(np.array([1]), np.array([[2, 3]]))
+    counts = {}
+    for native in (True, False):
+        store.native = native
+        lk = store.lookup([1], continuation_len=1)
+        counts[native] = {int(t): int((lk.continuations[:, 0] == t).sum()) for t in (2, 3)}
+    assert counts[True] == counts[False] == {2: 12, 3: 38}
