@@ -319,9 +319,7 @@ class RequestStore(StoreBase):
 
     def __init__(self, tokens: Sequence[int] = (), n_max: int = 16, n_min: int = 2, native: bool = True):
         self._scan = request_scan_library() if native else None  # None: the hashed index
-        self._index = _NgramIndex(n_max, n_min, self._scan, hashed=self._scan is None)
-        self.n_max, self.n_min = n_max, n_min
-        self.extend(tokens)
+        self.begin(tokens, n_max, n_min)
 
     def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
         self._index = _NgramIndex(n_max, n_min, self._scan, hashed=self._scan is None)

@@ -19,6 +19,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -70,14 +72,15 @@ def cpu_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def build(source: Path, name: str, attempts: list[list[str]], cxx: Optional[str] = None) -> Path:
+def build(source: Path, name: str, attempts: list[list[str]], find_compiler: Callable[[], str] = compiler) -> Path:
     """`<cache>/native/<name>.so` compiled from `source` when missing: the first of `attempts` (extra compiler
-    flags) that builds wins; OSError with the compiler's first complaint when none does."""
+    flags) that builds wins; OSError with the compiler's first complaint when none does.  `find_compiler` is
+    asked only when there is something to compile."""
     out = cache_dir() / "native" / f"{name}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    cxx = cxx or compiler()
+    cxx = find_compiler()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
         base = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", str(source), "-o", str(target)]
@@ -98,20 +101,42 @@ def _declare_static_lookup(lib: ctypes.CDLL) -> None:
     lib.rest_lab_static_lookup.restype = i64
 
 
-def _library(source: Path, stem: str, declare) -> Optional[ctypes.CDLL]:
-    """A library that only makes a lookup faster: built at first use, loaded and declared once; None when it cannot
-    be had (the store keeps its Python path)."""
-    if stem not in _libraries:
+def optional_library(tried: dict, stem: str, path: Callable[[], Path], declare) -> Optional[ctypes.CDLL]:
+    """A library that only makes something faster, loaded and declared once per process (`tried` remembers it by
+    `stem`, None included): `path()` gives its built file; None when it cannot be had (the caller keeps its
+    Python or torch path)."""
+    if stem not in tried:
         lib = None
         if not switched_off():
             try:
-                name = f"{stem}-{cpu_key()}-{source_tag(source)}"
-                lib = ctypes.CDLL(str(build(source, name, [["-march=native"], []])))
+                lib = ctypes.CDLL(str(path()))
                 declare(lib)
             except (OSError, subprocess.SubprocessError, ValueError, AttributeError):
                 lib = None
-        _libraries[stem] = lib
-    return _libraries[stem]
+        tried[stem] = lib
+    return tried[stem]
+
+
+def _library(source: Path, stem: str, declare) -> Optional[ctypes.CDLL]:
+    """A store's native lookup, built for this CPU at first use."""
+    return optional_library(_libraries, stem, lambda: build(source, f"{stem}-{cpu_key()}-{source_tag(source)}",
+                                                            [["-march=native"], []]), declare)
+
+
+_addresses: dict[int, tuple[weakref.ref, int]] = {}  # id -> (the object, weakly; its data address)
+
+
+def address(x) -> int:
+    """The data address of a numpy array or an `array.array` that lives long (a constant table, a store's tables,
+    a source's counts), looked up once while it lives: asking numpy costs ~2 microseconds a time.  Only a weak
+    reference is kept, so a replaced table is freed as ever."""
+    got = _addresses.get(id(x))
+    if got is None or got[0]() is not x:
+        if len(_addresses) > 256:
+            _addresses.clear()
+        at = x.ctypes.data if hasattr(x, "ctypes") else x.buffer_info()[0]
+        got = _addresses[id(x)] = (weakref.ref(x), at)
+    return got[1]
 
 
 def static_lookup_library() -> Optional[ctypes.CDLL]:

@@ -44,7 +44,7 @@ from datastores.common import (
     query_ids,
     write_atomic,
 )
-from datastores.native import recycle_grow_library
+from datastores.native import address, recycle_grow_library
 
 BRANCHING = (4, 3, 2, 2, 1, 1, 1, 1, 1, 1)  # children per node at each depth of the drafted tree
 # prior chance that the rank-r successor recorded after the same two tokens is the model's next token, and
@@ -78,7 +78,6 @@ class RecycleStore(StoreBase):
         self.branching = tuple(int(b) for b in branching)
         self._branching_c = (ctypes.c_int64 * max(1, len(self.branching)))(*self.branching)
         self.native = True  # draft with recycle_grow.cpp where it can be had (False: the Python path)
-        self._addresses = None  # ((table, pair keys, pair table), their data addresses) as last seen
         self.path = Path(path) if path is not None else None
         self.table = np.full((self.vocab_size, self.successors_k), -1, dtype=np.int32)  # (V, k), -1 = unknown
         # per pair (previous token, token): key previous * V + token in its hashed slot (-1 = empty), successors
@@ -182,12 +181,10 @@ class RecycleStore(StoreBase):
         if lib is None:
             return None
         tables = (self.table, self.pair_keys, self.pair_table)
-        if self._addresses is None or any(a is not b for a, b in zip(self._addresses[0], tables)):
-            if not all(t.flags.c_contiguous for t in tables) or self.table.dtype != np.int32 \
-                    or self.pair_table.dtype != np.int32 or self.pair_keys.dtype != np.int64:
-                return None
-            self._addresses = (tables, tuple(t.ctypes.data for t in tables))
-        table, keys, pairs = self._addresses[1]
+        if not all(t.flags.c_contiguous for t in tables) or self.table.dtype != np.int32 \
+                or self.pair_table.dtype != np.int32 or self.pair_keys.dtype != np.int64:
+            return None
+        table, keys, pairs = (address(t) for t in tables)
         rows = np.empty((min(max_matches, 4 * ROW_SCALE), depth), dtype=np.int64)
         info = (ctypes.c_int64 * 1)()
         n = lib.rest_lab_recycle_grow(table, self.vocab_size, self.successors_k, keys, pairs, _GOLDEN, _SHIFT,

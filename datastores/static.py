@@ -56,7 +56,7 @@ from datastores.common import (
     sliding_window,
 )
 from datastores.fingerprint import check_tokenizer
-from datastores.native import static_lookup_library
+from datastores.native import address, static_lookup_library
 
 FORMAT_NAME = "rest-lab-token-datastore"
 FORMAT_VERSION = 1
@@ -173,7 +173,6 @@ class TokenDatastore(StoreBase):
         self._sa_item = np.dtype(sa_dtype).itemsize
         self._sa_unpack = struct.Struct("<I" if self._sa_item == 4 else "<Q").unpack_from
         self._native = None  # (library, stream / suffix array / ends addresses), looked up at the first lookup
-        self._native_first: tuple = (None, None, 0)  # (first-token table, its address, its length)
         # per token id t, ranks [first[t], first[t + 1]) are those whose newest token is t (None: not ready)
         self._first: array.array | None = self._read_first_table()
         self._first_thread: threading.Thread | None = None
@@ -484,14 +483,8 @@ class TokenDatastore(StoreBase):
         if max_matches * continuation_len > NATIVE_MAX_CELLS:
             return None
         lib, tokens, sa, ends = native
-        first = self._first
-        if first is None:
-            first_at, first_len = None, 0
-        else:
-            known, first_at, first_len = self._native_first
-            if known is not first:
-                first_at, first_len = first.buffer_info()
-                self._native_first = (first, first_at, first_len)
+        first = self._first  # None until a table is read or computed
+        first_at, first_len = (None, 0) if first is None else (address(first), len(first))
         rows = np.empty((max_matches, continuation_len), dtype=np.int64)
         info = (ctypes.c_int64 * 2)()
         k = lib.rest_lab_static_lookup(tokens, self.n_tokens, sa, ends, self._ends.size, self._sa_item, first_at,

@@ -252,8 +252,8 @@ class CostModel:
                        with_budget: bool = False) -> Optional[tuple[np.ndarray, np.ndarray, int]]:
         """`ranked` (and with_budget, the best budget of `_best_budget`) in one native call; None where it cannot
         be had."""
-        if not self.native_ranking:
-            return None
+        if not self.native_ranking or native.rank_tree_library() is None:
+            return None  # checked first: without the library the numpy path would follow this work, not replace it
         names: dict[str, int] = {}
         index = [-1]
         for name in tree.sources[1:]:
@@ -261,8 +261,6 @@ class CostModel:
             if i is None:
                 i = names[name] = len(names)
             index.append(i)
-        if len(index) != len(tree):
-            return None
         return native.rank_tree(tree.parents[1:], tree.depths[1:], tree.shares, tree.support[1:],
                                 np.array(index, dtype=np.int64), tree.agree, [self._counts(name) for name in names],
                                 np.array([self.request_factor(name) for name in names], dtype=np.float64),

@@ -84,7 +84,7 @@ def test_without_the_native_top_k_the_choices_are_the_same(monkeypatch, tmp_path
     if why == "switched off":
         monkeypatch.setenv("REST_LAB_NATIVE", "0")
     else:  # an empty cache and no compiler
-        monkeypatch.setattr(native, "cache_dir", lambda: tmp_path)
+        monkeypatch.setattr(native.native_build, "cache_dir", lambda: tmp_path)  # where every library is built
         monkeypatch.setattr(native, "_compiler", lambda: (_ for _ in ()).throw(OSError("no C++ compiler found")))
     assert native.top_k_library() is None and native.row_top_k(logits, 8) is None
     assert (top_successors(logits, 8) == with_native).all()

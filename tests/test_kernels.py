@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 import rest_core.kernels as kernels
 from datastores import assemble_stores
+from datastores.common import cache_dir
 from rest_core import cost, native
 from rest_core.bench import BenchPrompt, run_benchmark
 from rest_core.bench.cli import kernel_variants
@@ -345,7 +346,7 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     monkeypatch.setattr(native, "_tried", False)  # a new process with this test's empty cache: built here
     monkeypatch.setattr(native, "_lib", None)
     assert native.library() is not None, native.unavailable()
-    assert len(list((native.cache_dir() / "native").glob("blocked-linear-*.so"))) == 1
+    assert len(list((cache_dir() / "native").glob("blocked-linear-*.so"))) == 1
     monkeypatch.setattr(native, "_tried", False)  # the next process on this machine loads it, compiling nothing
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_compiler", lambda: pytest.fail("compiled again"))

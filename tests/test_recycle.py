@@ -246,6 +246,7 @@ def test_the_native_draft_is_the_python_paths_row_for_row():
         pytest.skip("no C++ compiler here: the Python path is the only one")
     rng = np.random.default_rng(5)
     native_answers = 0
+    python_drafts = []  # trees the Python path grew while the native one was asked
     for trial in range(300):
         vocab, k = int(rng.integers(8, 40)), int(rng.integers(1, 9))
         branching = tuple(int(b) for b in rng.integers(1, 5, size=int(rng.integers(1, 8))))
@@ -255,12 +256,19 @@ def test_the_native_draft_is_the_python_paths_row_for_row():
         succ = rng.integers(0, vocab, size=(n, k))
         succ[rng.random((n, k)) < 0.1] = -1  # unknown successors here and there
         store.observe(tokens, succ, previous=np.where(rng.random(n) < 0.7, rng.integers(0, vocab, size=n), -1))
+
+        def python_grow(*args, grow=store._grow, store=store):
+            if store.native:
+                python_drafts.append(args)
+            return grow(*args)
+
+        store._grow = python_grow
         for _ in range(5):
             ctx = rng.integers(0, vocab, size=int(rng.integers(1, 4))).tolist()
             depth, limit = int(rng.integers(1, 25)), int(rng.integers(1, 300))
             store.native = True
             native = store.lookup(ctx, continuation_len=depth, max_matches=limit)
-            assert store._addresses is not None or not native.total_matches  # the native path answered
+            assert not python_drafts, "the native path answered"
             store.native = False
             python = store.lookup(ctx, continuation_len=depth, max_matches=limit)
             assert (native.matched_len, native.total_matches) == (python.matched_len, python.total_matches), trial

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 
 from datastores import native as native_build
-from datastores.common import cache_dir
-from datastores.native import ENV  # "0" / "off": never build or load the kernel
+from datastores.native import ENV, address  # ENV "0" / "off": never build or load the kernel
 from rest_core.machine import machine_key
 
 SOURCE = Path(__file__).with_name("blocked_linear.cpp")
@@ -111,16 +110,7 @@ def _switched_off() -> bool:
 def _optional_library(source: Path, stem: str, openmp: bool, declare) -> Optional[ctypes.CDLL]:
     """A library that only makes something faster: built at first use, loaded and declared once; None when it
     cannot be had (the caller keeps its torch path)."""
-    if stem not in _optional:
-        lib = None
-        if not _switched_off():
-            try:
-                lib = ctypes.CDLL(str(_built(source, stem, openmp)))
-                declare(lib)
-            except (OSError, subprocess.SubprocessError, ValueError):
-                lib = None
-        _optional[stem] = lib
-    return _optional[stem]
+    return native_build.optional_library(_optional, stem, lambda: _built(source, stem, openmp), declare)
 
 
 def _declare_top_k(lib: ctypes.CDLL) -> None:
@@ -225,20 +215,6 @@ def _i64(x: np.ndarray) -> bool:
     return x.dtype == np.int64 and x.flags.c_contiguous
 
 
-_addresses: dict[int, tuple[np.ndarray, int]] = {}  # id -> (array, its data address): arrays that live long
-
-
-def _address(x: np.ndarray) -> int:
-    """The data address of a long-lived array (a constant table, a source's counts), looked up once: asking numpy
-    for it costs ~2 microseconds a time."""
-    got = _addresses.get(id(x))
-    if got is None or got[0] is not x:
-        if len(_addresses) > 256:
-            _addresses.clear()
-        got = _addresses[id(x)] = (x, x.ctypes.data)
-    return got[1]
-
-
 def rank_tree(parents: np.ndarray, depths: np.ndarray, shares: np.ndarray, support: np.ndarray,
               source: np.ndarray, agree: Optional[np.ndarray], counts: list[np.ndarray], factors: np.ndarray,
               apply_request: bool, level_factors: np.ndarray, apply_agreement: bool, bins: np.ndarray,
@@ -248,8 +224,8 @@ def rank_tree(parents: np.ndarray, depths: np.ndarray, shares: np.ndarray, suppo
     """The cost model's ranking of a tree's n draft nodes (`rank_tree.cpp`; rest_core.cost's numpy path gives the
     same order and bit-equal chances): parents, depths, support (n,) of the draft nodes (tree nodes 1..n), shares
     (n + 1,), source (n + 1,) int64 indices into counts / factors and agree (n + 1,) the sources with rows through
-    each node (None: one each), the root's first; counts one (2, cells) float64 array per source, kept alive by
-    the caller (their addresses are remembered).  With the candidate draft sizes `budgets` (m,) int64 and
+    each node (None: one each), the root's first; counts one (2, cells) float64 array per source (their
+    addresses are remembered while they live).  With the candidate draft sizes `budgets` (m,) int64 and
     `budget_ms` (m,) the pass's time at each size plus the root, also the best size (`CostModel._best_budget`),
     else -1.  Returns (order (n,) 1-based nodes best first, their path chances (n,), the best size), or None when
     the library cannot be had or the input is not of that kind (the caller then takes the numpy path)."""
@@ -263,15 +239,15 @@ def rank_tree(parents: np.ndarray, depths: np.ndarray, shares: np.ndarray, suppo
             or factors.size != len(counts)
             or (with_budget and (not _i64(budgets) or not _f64(budget_ms) or budgets.size != budget_ms.size))):
         return None
-    cells = (ctypes.c_void_p * max(1, len(counts)))(*[_address(c) for c in counts])
+    cells = (ctypes.c_void_p * max(1, len(counts)))(*[address(c) for c in counts])
     out = np.empty(2 * n + 1, dtype=np.int64)  # order, then the chances' bits, then the best size
     at = out.ctypes.data
     if lib.rest_lab_rank_tree(n, parents.ctypes.data, depths.ctypes.data, shares.ctypes.data, support.ctypes.data,
                               source.ctypes.data, None if agree is None else agree.ctypes.data, cells, len(counts),
                               factors.ctypes.data, int(apply_request), level_factors.ctypes.data, level_factors.size,
-                              int(apply_agreement), _address(bins), bins.size, _address(support_edges),
+                              int(apply_agreement), address(bins), bins.size, address(support_edges),
                               support_edges.size, depth_cells, prior_scaled, prior_weight, max_chance,
-                              _address(budgets) if with_budget else None,
+                              address(budgets) if with_budget else None,
                               budget_ms.ctypes.data if with_budget else None, budgets.size if with_budget else 0,
                               at, at + 8 * n, at + 16 * n):
         return None
@@ -389,12 +365,10 @@ def source_tag(source: Path = SOURCE) -> str:
 def _built(source: Path, stem: str, openmp: bool) -> Path:
     """The compiled library of one source for this machine, compiled now when missing (atomically)."""
     name = f"{stem}-{machine_key()}-{source_tag(source)}"
-    if (cache_dir() / "native" / f"{name}.so").exists():
-        return cache_dir() / "native" / f"{name}.so"
     torch_lib = Path(torch.__file__).parent / "lib"
     threads = ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"] if openmp else []
     attempts = [["-march=native"] + threads, threads, ["-march=native"]] if openmp else [["-march=native"], []]
-    return native_build.build(source, name, attempts, cxx=_compiler())
+    return native_build.build(source, name, attempts, find_compiler=lambda: _compiler())  # as patched now
 
 
 def pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
