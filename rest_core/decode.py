@@ -310,7 +310,8 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
     with timer("commit"):
         if top is not None:
             _teach(stores, tree, top, context[-2] if len(context) > 1 else -1)
-        compact_cache(cache, prefix_len, verdict.accepted_nodes)
+        if len(tree) > 1:  # a one-token pass added just the root's slot, which is kept: nothing to compact
+            compact_cache(cache, prefix_len, verdict.accepted_nodes)
         proposed = [int(tree.tokens[n]) for n in verdict.accepted_nodes[1:]] + [verdict.bonus_token]
         new, stop = _cut(proposed, room, lm.eos_token_ids, cfg.stop_at_eos)
         context.extend(new)
@@ -323,8 +324,11 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
 def _teach(stores: Sequence[Store], tree: DraftTree, top: np.ndarray, before_root: int) -> None:
     """Hand every node's top predictions ((q, k) token ids, best first), and the token before each node (its
     parent's; `before_root` for the root), to the stores that learn from the model."""
-    previous = tree.tokens[np.maximum(tree.parents, 0)]
-    previous[0] = before_root
+    if len(tree) == 1:  # the root alone: one small array made directly (each operation right after a pass runs cold)
+        previous = np.array([before_root], dtype=np.int64)
+    else:
+        previous = tree.tokens[np.maximum(tree.parents, 0)]
+        previous[0] = before_root
     for store in stores:
         if store.successors_k > 0:
             store.observe(tree.tokens, top[:, :store.successors_k], previous)

@@ -61,9 +61,12 @@ class DraftTree:
 
 
 def root_only(root_token: int) -> DraftTree:
-    return DraftTree(tokens=np.array([root_token], dtype=np.int64), parents=np.array([-1], dtype=np.int64),
-                     depths=np.zeros(1, dtype=np.int64), scores=np.zeros(1), sources=[""], shares=np.ones(1),
-                     support=np.zeros(1), agree=np.zeros(1, dtype=np.int64))
+    """The tree of the root alone (a step with nothing to draft).  Its arrays are rows of two small arrays, made
+    in two operations rather than eight: right after a forward pass each numpy operation runs from cold caches."""
+    ints = np.array([[root_token], [-1], [0], [0]], dtype=np.int64)  # tokens, parents, depths, agree
+    floats = np.array([[0.0], [1.0], [0.0]])  # scores, shares, support
+    return DraftTree(tokens=ints[0], parents=ints[1], depths=ints[2], scores=floats[0], sources=[""],
+                     shares=floats[1], support=floats[2], agree=ints[3])
 
 
 def source_weight(source: str, matched_len: int, base: dict[str, float]) -> float:
@@ -79,6 +82,8 @@ def source_weight(source: str, matched_len: int, base: dict[str, float]) -> floa
 def _stack_rows(lookups, base_weights: dict[str, float]):
     """All sources' continuation rows in one (k, L) array, each row's source index, and the
     weight of one row per source.  None when nothing can be drafted."""
+    if not any(lk.continuations.shape[0] for lk in lookups):  # every look-up came back empty (no weights to ask)
+        return None
     names = list(dict.fromkeys(lk.source for lk in lookups))  # draft sources in store order (ties go first)
     blocks, src_ids = [], []
     unit = np.zeros(len(names))  # weight of one continuation row, per source

@@ -6,7 +6,10 @@ same prompts plainly, and reports per kind of step the milliseconds spent outsid
 looking the stores up, building and sizing the tree, verifying, committing (KV cache, the stores told
 what was committed and what the model predicted) and the cost model learning from the step.  A step
 with no draft does everything a plain step does plus that work, so its overhead over a plain step is
-what REST costs where it cannot help.
+what REST costs where it cannot help.  The plain loop's own work around its pass (the input tensor, the
+argmax over logits just written, the generator) is timed the same way -- each step's time less the model
+call -- and so is the part of REST's forward phase outside the model call (the tree's ids and positions):
+the difference of the two is what a step with no draft costs over a plain step.
 
 With --never-draft it measures that cost whole instead: the same stores and cost model, but every tree cut
 to its root after the cost model's decision (so each step looks up, builds and ranks its candidates, then
@@ -60,6 +63,29 @@ class _TimedChooser:
         return getattr(self._chooser, name)
 
 
+class _TimedModelCalls:
+    """The model's `forward`, with each call's ms kept (`calls`), put on the LoadedModel instance for a while."""
+
+    def __init__(self, lm):
+        self.lm, self.calls = lm, []
+
+    def __enter__(self):
+        inner = self.lm.forward
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.calls.append((time.perf_counter() - t0) * 1e3)
+
+        self.lm.forward = timed
+        return self
+
+    def __exit__(self, *exc):
+        del self.lm.forward  # the class's method again
+
+
 class _RootOnly:
     """The decoder's budget chooser, deciding as ever and then cutting every tree to its root."""
 
@@ -100,35 +126,45 @@ def never_drafting(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: 
 
 def measure(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeConfig) -> dict:
     """Per kind of step ("no draft", "with draft"): steps, median and mean ms around the pass, mean ms per
-    phase and of the cost model's learning; and the plain loop's mean ms per step on the same prompts."""
+    phase and of the cost model's learning; and the plain loop's mean ms per step on the same prompts, with its
+    median ms around the pass (a step's time less its model call)."""
     chooser = decoder.budget_chooser
     timed = _TimedChooser(chooser) if chooser is not None else None
     decoder.budget_chooser = timed
-    rows: list[tuple[bool, dict, float]] = []  # (drafted, phase ms, learning ms) per step
+    rows: list[tuple[bool, dict, float, float]] = []  # (drafted, phase ms, learning ms, model call ms) per step
 
-    def hook(trace) -> None:
-        rows.append((len(trace.tree_tokens) > 1, dict(trace.timings_ms), timed.last_observe_ms if timed else 0.0))
+    with _TimedModelCalls(decoder.lm) as model_calls:
+        def hook(trace) -> None:
+            rows.append((len(trace.tree_tokens) > 1, dict(trace.timings_ms), timed.last_observe_ms if timed else 0.0,
+                         model_calls.calls[-1]))
 
-    try:
+        try:
+            for ids in prompts:
+                decoder.generate(list(ids), cfg, hook=hook)
+        finally:
+            decoder.budget_chooser = chooser
+        plain_steps = plain_s = 0.0
+        plain_around: list[float] = []
         for ids in prompts:
-            decoder.generate(list(ids), cfg, hook=hook)
-    finally:
-        decoder.budget_chooser = chooser
-    plain_steps = plain_s = 0.0
-    for ids in prompts:
-        res = plain_generate(decoder.lm, list(ids), cfg)
-        plain_steps += res.steps
-        plain_s += res.wall_s - res.prefill_s
-    out: dict = {"plain_ms_per_step": plain_s / plain_steps * 1e3 if plain_steps else 0.0}
+            model_calls.calls.clear()
+            res = plain_generate(decoder.lm, list(ids), cfg)
+            plain_steps += res.steps
+            plain_s += res.wall_s - res.prefill_s
+            calls = model_calls.calls[-res.steps:]  # the steps' calls (the prefill's came first)
+            step_ms = (res.wall_s - res.prefill_s) * 1e3 / res.steps
+            plain_around.append(step_ms - float(np.mean(calls)))
+    out: dict = {"plain_ms_per_step": plain_s / plain_steps * 1e3 if plain_steps else 0.0,
+                 "plain_around_ms": float(np.median(plain_around)) if plain_around else 0.0}
     for kind, drafted in (("no draft", False), ("with draft", True)):
-        chosen = [(ms, learn) for d, ms, learn in rows if d == drafted]
-        around = [sum(ms[p] for p in PHASES_AROUND) + learn for ms, learn in chosen]
+        chosen = [(ms, learn, call) for d, ms, learn, call in rows if d == drafted]
+        around = [sum(ms[p] for p in PHASES_AROUND) + learn + (ms["forward"] - call) for ms, learn, call in chosen]
         out[kind] = {"steps": len(chosen),
                      "median_ms": float(np.median(around)) if around else 0.0,
                      "mean_ms": float(np.mean(around)) if around else 0.0,
-                     "phases_ms": {p: float(np.mean([ms[p] for ms, _ in chosen])) if chosen else 0.0
+                     "phases_ms": {p: float(np.mean([ms[p] for ms, _, _ in chosen])) if chosen else 0.0
                                    for p in (*PHASES_AROUND, "forward")},
-                     "learning_ms": float(np.mean([learn for _, learn in chosen])) if chosen else 0.0}
+                     "outside_call_ms": float(np.mean([ms["forward"] - c for ms, _, c in chosen])) if chosen else 0.0,
+                     "learning_ms": float(np.mean([learn for _, learn, _ in chosen])) if chosen else 0.0}
     return out
 
 
@@ -156,14 +192,16 @@ def main() -> None:
               f"({min(ratios):.3f}-{max(ratios):.3f}); outputs identical")
         return
     out = measure(decoder, prompts, DecodeConfig(max_new_tokens=args.max_new_tokens))
-    plain = out["plain_ms_per_step"]
-    print(f"plain: {plain:.2f} ms per step")
+    plain, plain_around = out["plain_ms_per_step"], out["plain_around_ms"]
+    print(f"plain: {plain:.2f} ms per step, around its pass {plain_around:.2f} ms (median over prompts)")
     for kind in ("no draft", "with draft"):
         k = out[kind]
         phases = ", ".join(f"{p} {v:.2f}" for p, v in k["phases_ms"].items() if p != "forward")
+        over = k["median_ms"] - plain_around
         print(f"{kind}: {k['steps']} steps, around the pass median {k['median_ms']:.2f} ms "
-              f"({k['median_ms'] / plain:.1%} of a plain step), mean {k['mean_ms']:.2f} "
-              f"(mean ms: {phases}, cost model learning {k['learning_ms']:.2f}; "
+              f"({k['median_ms'] / plain:.1%} of a plain step; over the plain loop's own {over:.2f} ms, "
+              f"{over / plain:.1%}), mean {k['mean_ms']:.2f} (mean ms: {phases}, forward phase outside the model "
+              f"call {k['outside_call_ms']:.2f}, cost model learning {k['learning_ms']:.2f}; "
               f"forward {k['phases_ms']['forward']:.1f})")
 
 
