@@ -353,6 +353,8 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True) -> Optional[Ke
     choice = _read_cache(path, shapes) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
     if choice is not None and any(choice.uses(s, k) for s in shapes for k in BLOCKED_KINDS if not _can_run(k)):
         choice = None  # chosen where the blocked kernel was built, which cannot be built now: measured again
+    if choice is not None and _can_run("blocked") and _measured_without(choice, "blocked"):
+        choice = None  # chosen where the blocked kernel could not run (switched off, no compiler), which runs now
     if choice is None:
         choice = _measure(layers)
         if cache:
@@ -378,6 +380,12 @@ def _can_run(kernel: str) -> bool:
     if native.library() is None:
         return False
     return kernel != "blocked_tall" or native.tall_rows() > 0
+
+
+def _measured_without(choice: KernelChoice, kernel: str) -> bool:
+    """Whether the choice was measured where `kernel` could not run: it holds no time for it at some row count
+    (`measure_layers` times the blocked kernel at every row count where it can run)."""
+    return any(t.get(kernel, UNTIMED) == UNTIMED for table in choice.timings_ms.values() for t in table.values())
 
 
 def _measure(layers: list[TunedLinear]) -> KernelChoice:

@@ -343,6 +343,8 @@ def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why
 
 
 def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it_is_measured_again(monkeypatch):
+    """Built once per machine; a cached choice is measured again where it needs a kernel that cannot run now, and
+    where it was measured without one that can (a run with REST_LAB_NATIVE=0 must not slow every later run)."""
     monkeypatch.setattr(native, "_tried", False)  # a new process with this test's empty cache: built here
     monkeypatch.setattr(native, "_lib", None)
     assert native.library() is not None, native.unavailable()
@@ -350,7 +352,8 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     monkeypatch.setattr(native, "_tried", False)  # the next process on this machine loads it, compiling nothing
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_compiler", lambda: pytest.fail("compiled again"))
-    assert native.library() is not None
+    lib = native.library()
+    assert lib is not None
     monkeypatch.setattr(kernels, "machine_key", lambda: "machine-a")
     choice = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     # a cache in which the blocked kernel won everywhere
@@ -375,6 +378,14 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     redone = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     assert measured == [1, 1] and not any(redone.uses(shape, k) for shape in redone.kernel
                                           for k in ("blocked", "blocked_tall"))
+    # ... and that choice, cached where the kernel could not run, is measured again once it can
+    assert all(t["blocked"] == float("inf") for table in redone.timings_ms.values() for t in table.values())
+    monkeypatch.setattr(native, "_lib", lib)
+    back = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    assert measured == [1, 1, 1] and all(np.isfinite(t["blocked"]) for table in back.timings_ms.values()
+                                         for t in table.values())
+    tune_linears(make_tiny_lm(layers=1).model, "tiny-random")  # measured with it now: the cache holds
+    assert measured == [1, 1, 1]
 
 
 @pytest.mark.parametrize("kernel", ["blocked", "blocked_tall"])
