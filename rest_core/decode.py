@@ -324,11 +324,8 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
 def _teach(stores: Sequence[Store], tree: DraftTree, top: np.ndarray, before_root: int) -> None:
     """Hand every node's top predictions ((q, k) token ids, best first), and the token before each node (its
     parent's; `before_root` for the root), to the stores that learn from the model."""
-    if len(tree) == 1:  # the root alone: one small array made directly (each operation right after a pass runs cold)
-        previous = np.array([before_root], dtype=np.int64)
-    else:
-        previous = tree.tokens[np.maximum(tree.parents, 0)]
-        previous[0] = before_root
+    previous = tree.tokens[np.maximum(tree.parents, 0)]
+    previous[0] = before_root
     for store in stores:
         if store.successors_k > 0:
             store.observe(tree.tokens, top[:, :store.successors_k], previous)

@@ -47,12 +47,8 @@ def tree_forward(lm: LoadedModel, tree: DraftTree, prefix_len: int,
     Returns (logits (q, V), position ids (1, q), the 4D mask passed to the model or None for a
     one-token step, which runs with the model's own causal mask)."""
     q = len(tree)
-    if q == 1:  # the root alone: two one-element tensors made directly (fewer operations right after a pass)
-        ids = torch.tensor([[int(tree.tokens[0])]], device=lm.device)
-        positions = torch.tensor([[prefix_len]], device=lm.device)
-    else:
-        ids = torch.from_numpy(tree.tokens).to(lm.device).unsqueeze(0)  # (1, q)
-        positions = tree_positions(tree, prefix_len, lm.device)  # (1, q)
+    ids = torch.from_numpy(tree.tokens).to(lm.device).unsqueeze(0)  # (1, q)
+    positions = tree_positions(tree, prefix_len, lm.device)  # (1, q)
     mask = tree_mask(tree, prefix_len, lm.dtype, lm.device) if q > 1 else None  # (1, 1, q, prefix_len + q)
     logits = lm.forward(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache).logits[0]
     return logits, positions, mask
