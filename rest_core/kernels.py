@@ -357,7 +357,7 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True) -> Optional[Ke
         choice = None  # chosen where the blocked kernel could not run (switched off, no compiler), which runs now
     if choice is None:
         choice = _measure(layers)
-        if cache:
+        if cache and not native.switched_off():  # a run with the native code switched off keeps its choice to itself
             _write_cache(path, choice)
     packed = {shape for shape in shapes if choice.uses(shape, "packed")}
     panels = {shape for shape in shapes if any(choice.uses(shape, k) for k in BLOCKED_KINDS)}

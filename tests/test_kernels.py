@@ -332,7 +332,12 @@ def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why
     reason = {"no compiler": "no C++ compiler found", "build fails": "false could not build blocked_linear.cpp",
               "switched off": "switched off (REST_LAB_NATIVE=0)"}[why]
     assert reason in native.unavailable()
+    monkeypatch.setattr(kernels, "machine_key", lambda: f"machine-without-{why.replace(' ', '-')}")
+    path = kernels._cache_path("tiny-random")
+    path.unlink(missing_ok=True)
     choice = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
+    # a machine that cannot build the kernel keeps its choice; a process with it switched off keeps it to itself
+    assert path.exists() == (why != "switched off")
     for table in choice.timings_ms.values():  # never timed, never chosen; the others as ever
         assert all(t["blocked"] == float("inf") and np.isfinite(t["packed"]) for t in table.values())
     assert not any(choice.uses(shape, "blocked") for shape in choice.kernel)

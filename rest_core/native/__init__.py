@@ -64,7 +64,7 @@ def library() -> Optional[ctypes.CDLL]:
     if _tried:
         return _lib
     _tried = True
-    if _switched_off():
+    if switched_off():
         _why = f"switched off ({ENV}={os.environ[ENV]})"
         return None
     try:
@@ -103,7 +103,8 @@ def use_kernel(fn, tall=None) -> None:
     _kernel, _kernel_tall = fn, (fn if tall is None else tall)
 
 
-def _switched_off() -> bool:
+def switched_off() -> bool:
+    """Whether REST Lab's native code is switched off for this process (REST_LAB_NATIVE=0)."""
     return native_build.switched_off()
 
 
