@@ -351,10 +351,8 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True) -> Optional[Ke
     shapes = {layer.shape for layer in layers}
     path = _cache_path(name)
     choice = _read_cache(path, shapes) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
-    if choice is not None and any(choice.uses(s, k) for s in shapes for k in BLOCKED_KINDS if not _can_run(k)):
-        choice = None  # chosen where the blocked kernel was built, which cannot be built now: measured again
-    if choice is not None and _can_run("blocked") and _measured_without(choice, "blocked"):
-        choice = None  # chosen where the blocked kernel could not run (switched off, no compiler), which runs now
+    if choice is not None and not _fits_here(choice, shapes):
+        choice = None  # timed where other kernels could run than here: measured again
     if choice is None:
         choice = _measure(layers)
         if cache and not native.switched_off():  # a run with the native code switched off keeps its choice to itself
@@ -382,10 +380,15 @@ def _can_run(kernel: str) -> bool:
     return kernel != "blocked_tall" or native.tall_rows() > 0
 
 
-def _measured_without(choice: KernelChoice, kernel: str) -> bool:
-    """Whether the choice was measured where `kernel` could not run: it holds no time for it at some row count
-    (`measure_layers` times the blocked kernel at every row count where it can run)."""
-    return any(t.get(kernel, UNTIMED) == UNTIMED for table in choice.timings_ms.values() for t in table.values())
+def _fits_here(choice: KernelChoice, shapes: set[Shape]) -> bool:
+    """Whether a cached choice was timed with the kernels this process can run: not where a blocked kernel was
+    built that cannot be built now (it would be chosen and fail), nor where the blocked kernel could not run
+    (switched off, no compiler) while it runs here (it would never be chosen: `measure_layers` times it at every
+    row count where it can run, so a choice without a time for it was made without it)."""
+    if any(choice.uses(s, k) for s in shapes for k in BLOCKED_KINDS if not _can_run(k)):
+        return False
+    return not (_can_run("blocked") and any(t.get("blocked", UNTIMED) == UNTIMED
+                                            for table in choice.timings_ms.values() for t in table.values()))
 
 
 def _measure(layers: list[TunedLinear]) -> KernelChoice:

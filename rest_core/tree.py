@@ -82,8 +82,6 @@ def source_weight(source: str, matched_len: int, base: dict[str, float]) -> floa
 def _stack_rows(lookups, base_weights: dict[str, float]):
     """All sources' continuation rows in one (k, L) array, each row's source index, and the
     weight of one row per source.  None when nothing can be drafted."""
-    if not any(lk.continuations.shape[0] for lk in lookups):  # every look-up came back empty (no weights to ask)
-        return None
     names = list(dict.fromkeys(lk.source for lk in lookups))  # draft sources in store order (ties go first)
     blocks, src_ids = [], []
     unit = np.zeros(len(names))  # weight of one continuation row, per source
