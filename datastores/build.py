@@ -382,7 +382,7 @@ def _build(out: Path, write_tokens, tok_info: dict, source_records, max_tokens: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     store = TokenDatastore.open(out)
-    store.first_token_table(wait=True)  # built and saved with the store, so its first lookups have it
+    store.pair_bits(wait=True)  # its first-token table and pair bits built and saved with it, for its first lookups
     return store
 
 

@@ -44,6 +44,7 @@ from datastores.common import (
     write_atomic,
 )
 from datastores.native import request_scan_library
+from datastores.pairs import MAX_LOG2, MIN_LOG2, PairBits
 
 _MASK = (1 << 64) - 1
 _M1 = 0x9E3779B97F4A7C15
@@ -168,6 +169,10 @@ class _NgramIndex:
         self.postings = {n: _Postings(n) for n in levels}
         self.toks = np.empty(1024, dtype=np.int64)  # (capacity,) first `size` used
         self.size = 0
+        # the adjacent pairs followed by a token (datastores.pairs; about one bit per pair): the newest pair, the
+        # context's own end in the request store, is no match until something follows it
+        self.pairs = PairBits(MIN_LOG2)
+        self._tail = (-1, -1)  # the two newest tokens, as Python ints (-1: none)
         self.doc_start = 0  # first position of the document being appended to
         self.live_start = 0  # positions below this belong to dropped documents
 
@@ -185,8 +190,23 @@ class _NgramIndex:
         self.size += k
         if new_doc:
             self.doc_start = start + (1 if start else 0)
+        self._add_pairs(tokens, start)
         if self.hashed:
             self._index(start)
+
+    def _add_pairs(self, tokens: np.ndarray | list[int], start: int) -> None:
+        """Set the bits of the pairs that the tokens appended at `start` gave a continuation (with Python integers
+        for a decoding step's few tokens); twice the bits, set afresh from the live stream, once it holds more pairs
+        than bits."""
+        if isinstance(tokens, list) and len(tokens) <= SMALL_APPEND:
+            before, last = self._tail
+            self.pairs.add(before, [last, *tokens[:-1]] if last >= 0 else tokens[:-1])
+            self._tail = (tokens[-2], tokens[-1]) if len(tokens) > 1 else (last, tokens[-1])
+        else:
+            self.pairs.add_stream(self.toks, start - 1, self.size - 1)
+            self._tail = (int(self.toks[self.size - 2]) if self.size > 1 else -1, int(self.toks[self.size - 1]))
+        if self.size - self.live_start > 1 << self.pairs.log2_bits and self.pairs.log2_bits < MAX_LOG2:
+            self.pairs = self.pairs.grown(self.toks, self.live_start, self.size - 1)
 
     def _index(self, first_new: int) -> None:
         """Hash the n-grams ending at positions first_new.. that lie inside the document."""
@@ -227,6 +247,8 @@ class _NgramIndex:
         if n_min < self.n_min:
             raise DatastoreError(f"this store indexes suffixes of at least {self.n_min} tokens, "
                                  f"lookup asked for n_min={n_min}; construct it with n_min={n_min}")
+        if n_min >= 2 and self.pairs.excludes(context):  # the newest pair was never appended: no match
+            return 0, 0, np.empty(0, dtype=np.int64)
         newest = query_ids(context, n_max)[::-1]  # (m,) newest first
         m = len(newest)
         if m < n_min or self.size == 0:

@@ -57,6 +57,7 @@ from datastores.common import (
 )
 from datastores.fingerprint import check_tokenizer
 from datastores.native import address, static_lookup_library
+from datastores.pairs import PairBits, log2_bits_for, pair_bits_path, read_pair_bits, save_pair_bits
 
 FORMAT_NAME = "rest-lab-token-datastore"
 FORMAT_VERSION = 1
@@ -65,8 +66,8 @@ TOKENS_NAME = "tokens.u32"
 LEFT_CONTEXT_TOKENS = 64  # context tokens used to rank matches when there are too many
 SAMPLE_BLOCKS = 16  # blocks hashed on open (cheap check)
 SAMPLE_BLOCK_BYTES = 1 << 16
-FIRST_TOKEN_AT_ONCE = 1 << 22  # stores up to this size compute a missing first-token table at open (milliseconds);
-# larger ones in a background thread (~1 s per 50M tokens), searching every rank until it is ready
+TABLES_AT_ONCE = 1 << 20  # stores up to this size compute a missing first-token table and pair bits at open
+# (milliseconds); larger ones in a background thread (~3 s per 50M tokens), searching until they are ready
 FIRST_TOKEN_MAX_ID = 1 << 22  # a store holding larger token ids (no tokenizer has them) keeps no table
 NATIVE_MAX_CELLS = 1 << 22  # a native lookup writes max_matches rows into one buffer; larger asks take the Python path
 
@@ -175,14 +176,17 @@ class TokenDatastore(StoreBase):
         self._native = None  # (library, stream / suffix array / ends addresses), looked up at the first lookup
         # per token id t, ranks [first[t], first[t + 1]) are those whose newest token is t (None: not ready)
         self._first: array.array | None = self._read_first_table()
-        self._first_thread: threading.Thread | None = None
-        if self._first is None:
-            if self.n_tokens <= FIRST_TOKEN_AT_ONCE:
-                self._make_first_table()
+        # the pairs of adjacent tokens the stream holds (None: not ready): a context whose newest pair is not
+        # there cannot match, and its lookup answers at once (datastores.pairs)
+        self._pairs_log2 = log2_bits_for(self.n_tokens)
+        self._pairs: PairBits | None = read_pair_bits(self._pair_bits_path(), self._pairs_log2, self._tokens)
+        self._tables_thread: threading.Thread | None = None
+        if self._first is None or self._pairs is None:
+            if self.n_tokens <= TABLES_AT_ONCE:
+                self._make_tables()
             else:
-                self._first_thread = threading.Thread(target=self._make_first_table, name="first-token-table",
-                                                      daemon=True)
-                self._first_thread.start()
+                self._tables_thread = threading.Thread(target=self._make_tables, name="store-tables", daemon=True)
+                self._tables_thread.start()
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -220,10 +224,37 @@ class TokenDatastore(StoreBase):
             check_tokenizer(meta, tokenizer, path)
         return cls(path, meta, name, source)
 
-    # ------------------------------------------------------------------ first-token table
+    # ------------------------------------------------------------------ derived tables
+    def _make_tables(self) -> None:
+        """Compute (and save beside the store) whichever derived table could not be read."""
+        if self._first is None:
+            self._make_first_table()
+        if self._pairs is None:
+            self._make_pair_bits()
+
+    def _digest(self) -> str:
+        return str(self.meta.get("files", {}).get(TOKENS_NAME, {}).get("sample_sha256", "unhashed"))
+
     def _first_table_path(self) -> Path:
-        digest = str(self.meta.get("files", {}).get(TOKENS_NAME, {}).get("sample_sha256", "unhashed"))
-        return self.path / f"first-token-{digest[:16]}.i64"
+        return self.path / f"first-token-{self._digest()[:16]}.i64"
+
+    def _pair_bits_path(self) -> Path:
+        return pair_bits_path(self.path, self._digest(), self._pairs_log2)
+
+    def _make_pair_bits(self) -> None:
+        tokens = self._tokens
+        if tokens is None:
+            return
+        bits = PairBits.of_stream(tokens, self._pairs_log2)
+        save_pair_bits(self._pair_bits_path(), bits)
+        self._pairs = bits
+
+    def pair_bits(self, wait: bool = True) -> bool:
+        """Whether a lookup whose newest two tokens the store never holds side by side answers without searching
+        (else it searches, with the same result); `wait` joins bits still being computed."""
+        if wait and self._tables_thread is not None:
+            self._tables_thread.join()
+        return self._pairs is not None
 
     def _read_first_table(self) -> array.array | None:
         """The saved table if it is there and fits this store (sizes, order, a few blocks checked), else None."""
@@ -280,8 +311,8 @@ class TokenDatastore(StoreBase):
     def first_token_table(self, wait: bool = True) -> bool:
         """Whether lookups search only the block of ranks that ends with the query's newest token (else every
         rank, with the same results); `wait` joins a table still being computed."""
-        if wait and self._first_thread is not None:
-            self._first_thread.join()
+        if wait and self._tables_thread is not None:
+            self._tables_thread.join()
         return self._first is not None
 
     def _map(self, name: str) -> mmap.mmap:
@@ -507,6 +538,9 @@ class TokenDatastore(StoreBase):
         come in SA order; the choice is deterministic for a given store and context.
         """
         check_lookup_args(n_max, n_min, max_matches, continuation_len)
+        pairs = self._pairs
+        if n_min >= 2 and pairs is not None and pairs.excludes(context):  # the newest pair never occurs here
+            return empty_lookup(self.source, continuation_len)
         ext = query_ids(context, max(n_max, LEFT_CONTEXT_TOKENS))  # (<=ext,)
         m = min(n_max, len(ext))
         if m < n_min:

@@ -141,17 +141,18 @@ def test_static_lookup_equals_brute_force(docs, ctx, n_max, n_min, max_matches, 
        .filter(lambda d: any(d)),
        ctx=st.lists(st.sampled_from([0, 1, 2, 3, 4, 9, 70000, 70001, 2**20]), max_size=20),
        n_max=st.integers(1, 8), n_min=st.integers(1, 3), max_matches=st.integers(1, 6))
-def test_the_first_token_table_changes_no_lookup(docs, ctx, n_max, n_min, max_matches):
-    """A lookup searches only the ranks that end with the query's newest token: the same answer as searching
-    them all and as a scan of the stream, for tokens the store holds, lacks, or holds beyond the table."""
+def test_the_derived_tables_change_no_lookup(docs, ctx, n_max, n_min, max_matches):
+    """A lookup searches only the ranks that end with the query's newest token, and answers at once where the
+    store never holds its newest two tokens side by side: the same answer as searching every rank without the pair
+    bits and as a scan of the stream, for tokens the store holds, lacks, or holds beyond the table."""
     n_min = min(n_min, n_max)
     with tempfile.TemporaryDirectory() as tmp:
         store = static_store(tmp, docs)
-        assert store.first_token_table()
+        assert store.first_token_table() and store.pair_bits()
         got = store.lookup(ctx, n_max=n_max, n_min=n_min, max_matches=max_matches, continuation_len=3)
-        table, store._first = store._first, None
+        (table, store._first), (pairs, store._pairs) = (store._first, None), (store._pairs, None)
         every = store.lookup(ctx, n_max=n_max, n_min=n_min, max_matches=max_matches, continuation_len=3)
-        store._first = table
+        store._first, store._pairs = table, pairs
         store.close()
     n, occ = brute_match(join_docs(docs), ctx, n_max, n_min)
     assert (got.matched_len, got.total_matches) == (every.matched_len, every.total_matches) == (n, len(occ))
@@ -179,6 +180,84 @@ def test_the_first_token_table_is_saved_checked_and_rebuilt(tmp_path):
     got = again.lookup([9, 1, 2], n_max=2, max_matches=1, continuation_len=1)
     assert rows(got.continuations) == rows(want.continuations) == [(77,)]
     TokenDatastore.open(tmp_path / "s").verify()  # the derived file is no part of the store's checksums
+
+
+def test_a_lookup_whose_newest_pair_the_store_never_holds_answers_without_searching(tmp_path, monkeypatch):
+    """The pair bits are saved beside a static store, read back when they fit it and computed again when they do
+    not; a context whose newest two tokens never occur side by side takes neither search, one that may does."""
+    docs = [[5, 1, 2, 40 + k] for k in range(30)] + [[9, 1, 2, 77]]
+    store = build_from_token_documents(tmp_path / "s", docs)
+    saved = list((tmp_path / "s").glob("pairs-*.bits"))
+    assert len(saved) == 1 and store.pair_bits(wait=False)  # written with the store
+
+    def searched(*args, **kwargs):
+        raise AssertionError("searched")
+
+    monkeypatch.setattr(store, "_native_lookup", searched)
+    monkeypatch.setattr(store, "_lower_bound", searched)
+    for ctx in ([1, 3], [40, 41], [9, 1, 2, 5, 9], [7, 7, 7]):  # the newest pair is not in the store
+        got = store.lookup(ctx, n_max=4, continuation_len=2)
+        assert (got.matched_len, got.total_matches, got.continuations.shape) == (0, 0, (0, 2))
+    with pytest.raises(AssertionError, match="searched"):
+        store.lookup([9, 1, 2], n_max=4, continuation_len=2)  # "1 2" occurs: searched
+    with pytest.raises(AssertionError, match="searched"):
+        store.lookup([7, 2], n_max=4, n_min=1, continuation_len=2)  # a one-token match needs no pair
+    monkeypatch.undo()
+    assert rows(store.lookup([9, 1, 2], n_max=2, max_matches=1, continuation_len=1).continuations) == [(77,)]
+    assert TokenDatastore.open(tmp_path / "s")._pairs is not None  # read back
+    bits = bytearray(saved[0].read_bytes())
+    bits[:] = bytes(len(bits))  # every bit clear: does not fit the stream, computed afresh and saved again
+    saved[0].write_bytes(bytes(bits))
+    fixed = TokenDatastore.open(tmp_path / "s")
+    assert fixed.pair_bits() and fixed.lookup([9, 1, 2], n_max=2, continuation_len=1).matched_len == 2
+    assert saved[0].read_bytes() != bytes(bits)
+    saved[0].write_bytes(b"\0" * 12)  # truncated: the same
+    assert TokenDatastore.open(tmp_path / "s").lookup([5, 1, 2], n_max=3, continuation_len=1).matched_len == 3
+
+
+def test_the_dynamic_stores_pair_bits_hold_every_pair_something_followed():
+    """The request and history stores set a pair's bit once a token follows it, appended a few tokens at a time
+    (Python integers) or many (numpy) and as the bits double: every pair with a continuation is held; the
+    request's own newest pair, which nothing follows yet, is not, so a step whose newest pair is new answers
+    without searching."""
+    from datastores.pairs import MIN_LOG2
+    rng = np.random.default_rng(3)
+    stream = rng.integers(0, 5000, size=70_000).tolist()  # more pairs than the first bits hold
+    request = RequestStore(stream[:5], n_max=8, n_min=2)
+    at = 5
+    while at < len(stream):
+        step = int(rng.integers(1, 12)) if at < 2000 else 5000  # both paths, then growth
+        request.extend(stream[at:at + step])
+        at += step
+    bits = request._index.pairs
+    assert bits.log2_bits > MIN_LOG2
+    assert all(bits.holds(a, b) for a, b in zip(stream[:-2], stream[1:-1]))
+    fresh = RequestStore([1, 2, 3], n_max=8, n_min=2)
+    assert fresh._index.pairs.holds(1, 2) and not fresh._index.pairs.holds(2, 3)
+    assert fresh._index.pairs.excludes([1, 2, 3]) and fresh.lookup([1, 2, 3]).matched_len == 0
+    fresh.extend([4, 2, 3])
+    assert not fresh._index.pairs.excludes([2, 3])
+    assert fresh.lookup([2, 3], continuation_len=1).continuations.tolist() == [[4]]
+    history = HistoryStore(n_max=8, n_min=2)
+    history.add([1, 2, 3])
+    history.add([8, 9])
+    pairs = history._index.pairs
+    assert pairs.holds(1, 2) and pairs.holds(2, 3) and not pairs.holds(8, 9)  # 3 is followed by the separator
+    assert history.lookup([1, 2], continuation_len=1).continuations.tolist() == [[3]]
+
+
+def test_pair_bits_read_any_integer_context_and_refuse_nothing():
+    """A context of numpy integers reads as Python integers; one the bits cannot read (fewer than two tokens, ids
+    out of range, not integers) is never excluded, so the lookup answers or explains what is wrong."""
+    from datastores.pairs import PairBits, log2_bits_for
+    bits = PairBits.of_stream(np.array([3, 4, 5], dtype=np.uint32))
+    assert bits.log2_bits == log2_bits_for(3) == 16 and bits.holds(3, 4) and bits.holds(4, 5)
+    assert bits.excludes([5, 3]) and bits.excludes(np.array([9, 5, 3])) and not bits.excludes(np.array([3, 4]))
+    for odd in ([], [4], [-1, 3], [3, SEP], [3.0, 4.0], ["a", "b"]):
+        assert not bits.excludes(odd)
+    with pytest.raises(ValueError):
+        PairBits(16, b"\0" * 3)
+    assert log2_bits_for(50_000_000) == 26 and log2_bits_for(100_000) == 17
 
 
 def test_a_store_with_ids_beyond_any_vocabulary_searches_every_rank(tmp_path):
@@ -578,6 +657,7 @@ def test_the_native_lookup_answers_as_the_python_path(docs, ctx, n_max, n_min, m
     n_min = min(n_min, n_max)
     with tempfile.TemporaryDirectory() as tmp:
         store = static_store(tmp, docs)
+        store._pairs = None  # every lookup searches (the pair bits' own test: test_the_derived_tables_change_no_lookup)
         if without_table:
             store._first = None
         native = store.lookup(ctx, n_max=n_max, n_min=n_min, max_matches=max_matches, continuation_len=L)
