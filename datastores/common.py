@@ -14,6 +14,7 @@ semantics, so the pieces that define that semantics live here once:
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +39,10 @@ __all__ = [
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file whole or not at all: a temporary sibling, then a rename (OSError on failure,
-    leaving no temporary file behind)."""
+    """Write a file whole or not at all: a temporary sibling (one per process and thread), then a rename (OSError
+    on failure, leaving no temporary file behind)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         tmp.write_bytes(data)
         os.replace(tmp, path)

@@ -3,7 +3,8 @@
 Every match of two or more tokens ends with the context's newest two tokens, so a store in which that pair
 never occurs has nothing to draft from, whatever else the context holds.  Each store keeps one bit per hash of
 the pairs it holds (a superset: two pairs may share a bit, and a pair may occur only where nothing follows it),
-and a lookup whose newest pair has its bit clear answers empty at once -- the same answer the search would give.
+and a lookup whose newest pair has its bit clear answers empty at once -- the same answer the search would give
+(the context's older tokens are not read then: whatever they are, nothing can match).
 
 Why it pays: a lookup runs right after a forward pass that streamed every weight through the caches, so any
 code path it takes starts cold.  A step in which no store holds the newest pair (most steps with nothing to
@@ -15,7 +16,6 @@ for large stores); the request and history stores set the bits of what they appe
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -76,7 +76,8 @@ class PairBits:
         return not self.bits[h >> 3] >> (h & 7) & 1
 
     def add(self, before: int, tokens: Sequence[int]) -> None:
-        """Set the bits of the pairs (before, tokens[0]), (tokens[0], tokens[1]), ... (before < 0: none before)."""
+        """Set the bits of the pairs (before, tokens[0]), (tokens[0], tokens[1]), ... (before < 0: none before).
+        The hash is written out here and in `excludes`, not called: both run on every decoding step."""
         bits, shift = self.bits, self._shift
         for t in tokens:
             if before >= 0:
@@ -128,15 +129,3 @@ def read_pair_bits(path: Path, log2_bits: int, stream: np.ndarray) -> PairBits |
             return None
     return bits
 
-
-def save_pair_bits(path: Path, bits: PairBits) -> None:
-    """Write the bits beside the store (best effort: a read-only store computes them again next time)."""
-    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.part")
-    try:
-        tmp.write_bytes(bytes(bits.bits))
-        tmp.replace(path)
-    except OSError:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass

@@ -54,10 +54,11 @@ from datastores.common import (
     gather_continuations,
     query_ids,
     sliding_window,
+    write_atomic,
 )
 from datastores.fingerprint import check_tokenizer
 from datastores.native import address, static_lookup_library
-from datastores.pairs import PairBits, log2_bits_for, pair_bits_path, read_pair_bits, save_pair_bits
+from datastores.pairs import PairBits, log2_bits_for, pair_bits_path, read_pair_bits
 
 FORMAT_NAME = "rest-lab-token-datastore"
 FORMAT_VERSION = 1
@@ -141,6 +142,14 @@ def _read_meta(path: Path) -> dict:
     if meta["n_tokens"] < 1:
         raise DatastoreError(f"{meta_path} is corrupt (n_tokens < 1); {rebuild_hint(path)}")
     return meta
+
+
+def _save_beside(path: Path, data: bytes) -> None:
+    """Save a derived table beside the store (best effort: a read-only store computes it again next time)."""
+    try:
+        write_atomic(path, data)
+    except OSError:
+        pass
 
 
 class TokenDatastore(StoreBase):
@@ -246,7 +255,7 @@ class TokenDatastore(StoreBase):
         if tokens is None:
             return
         bits = PairBits.of_stream(tokens, self._pairs_log2)
-        save_pair_bits(self._pair_bits_path(), bits)
+        _save_beside(self._pair_bits_path(), bytes(bits.bits))
         self._pairs = bits
 
     def pair_bits(self, wait: bool = True) -> bool:
@@ -296,16 +305,7 @@ class TokenDatastore(StoreBase):
         first = np.zeros(counts.size + 1, dtype="<i8")
         np.cumsum(counts, out=first[1:])
         table = array.array("q", first.tobytes())
-        path = self._first_table_path()
-        tmp = path.with_name(f".{path.name}.{threading.get_ident()}.part")
-        try:
-            tmp.write_bytes(first.tobytes())
-            tmp.replace(path)
-        except OSError:  # a read-only or vanished directory: use the table all the same
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
+        _save_beside(self._first_table_path(), first.tobytes())
         self._first = table
 
     def first_token_table(self, wait: bool = True) -> bool:
