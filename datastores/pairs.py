@@ -10,7 +10,7 @@ Why it pays: a lookup runs right after a forward pass that streamed every weight
 code path it takes starts cold.  A step in which no store holds the newest pair (most steps with nothing to
 draft) spent ~150 us on five searches that all missed (a 2-vCPU AMD EPYC), where one bit per store takes a few.
 
-The static stores compute their bits once (saved beside the store: ~1.5 s for 50M tokens, in the background
+The static stores compute their bits once (saved beside the store: 1.5-3 s for 50M tokens, in the background
 for large stores); the request and history stores set the bits of what they append.
 """
 from __future__ import annotations
@@ -50,13 +50,9 @@ class PairBits:
         self._shift = 64 - log2_bits
         self.bits = bytearray(data) if data is not None else bytearray(size)
 
-    def _hash(self, a: int, b: int) -> int:
-        return ((((a << 32) | b) * _GOLDEN) & _MASK64) >> self._shift
-
     def holds(self, a: int, b: int) -> bool:
-        """Whether the pair (a, b) may occur (its bit is set)."""
-        h = self._hash(a, b)
-        return bool(self.bits[h >> 3] >> (h & 7) & 1)
+        """Whether the pair (a, b) may occur (its bit is set, or the ids are none the bits can read)."""
+        return not self.excludes((a, b))
 
     def excludes(self, context: Sequence[int] | np.ndarray) -> bool:
         """True when the context's newest two tokens are surely not a pair of the store (no match of two or more
@@ -77,7 +73,8 @@ class PairBits:
 
     def add(self, before: int, tokens: Sequence[int]) -> None:
         """Set the bits of the pairs (before, tokens[0]), (tokens[0], tokens[1]), ... (before < 0: none before).
-        The hash is written out here and in `excludes`, not called: both run on every decoding step."""
+        The hash is written out here and in `excludes`, not called: both run on every decoding step, right after a
+        forward pass, where each extra call starts cold."""
         bits, shift = self.bits, self._shift
         for t in tokens:
             if before >= 0:
@@ -124,8 +121,6 @@ def read_pair_bits(path: Path, log2_bits: int, stream: np.ndarray) -> PairBits |
     except (OSError, ValueError):
         return None
     n = stream.size
-    for i in np.linspace(1, n - 1, num=min(64, max(0, n - 1)), dtype=np.int64).tolist() if n > 1 else []:
-        if not bits.holds(int(stream[i - 1]), int(stream[i])):
-            return None
-    return bits
+    spots = np.linspace(1, n - 1, num=min(64, n - 1), dtype=np.int64).tolist() if n > 1 else []
+    return bits if all(bits.holds(int(stream[i - 1]), int(stream[i])) for i in spots) else None
 

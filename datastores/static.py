@@ -68,7 +68,7 @@ LEFT_CONTEXT_TOKENS = 64  # context tokens used to rank matches when there are t
 SAMPLE_BLOCKS = 16  # blocks hashed on open (cheap check)
 SAMPLE_BLOCK_BYTES = 1 << 16
 TABLES_AT_ONCE = 1 << 20  # stores up to this size compute a missing first-token table and pair bits at open
-# (milliseconds); larger ones in a background thread (~3 s per 50M tokens), searching until they are ready
+# (milliseconds); larger ones in a background thread (2-4 s per 50M tokens), searching until they are ready
 FIRST_TOKEN_MAX_ID = 1 << 22  # a store holding larger token ids (no tokenizer has them) keeps no table
 NATIVE_MAX_CELLS = 1 << 22  # a native lookup writes max_matches rows into one buffer; larger asks take the Python path
 
