@@ -65,15 +65,21 @@ class RecycleStore(StoreBase):
     """Top-k successors per token id and per pair of tokens, refreshed from every verify pass's logits.
 
     ``successors_k`` tells the decoder how many of each node's top predictions to hand to
-    `observe`.  ``path`` (optional) persists the tables; the owner calls `save`.
+    `observe`.  ``path`` (optional) persists the tables; the owner calls `save`.  ``branching`` (children
+    per node at each depth) and ``row_scale`` (rows per unit of chance) set how wide and how deep a draft
+    grows: a path below 1 / (2 * row_scale) of chance is not drafted.
     """
 
     source = "model"
 
     def __init__(self, vocab_size: int, k: int = 8, path: str | Path | None = None,
-                 branching: Sequence[int] = BRANCHING):
+                 branching: Sequence[int] = BRANCHING, row_scale: int = ROW_SCALE):
         if vocab_size < 1 or not 1 <= k <= 64:
             raise DatastoreError(f"vocab_size={vocab_size}, k={k}: need a positive vocabulary and 1 <= k <= 64")
+        if not 1 <= row_scale <= 100_000 or any(b < 0 for b in branching):
+            raise DatastoreError(f"row_scale={row_scale}, branching={tuple(branching)}: need 1 <= row_scale <= "
+                                 "100000 and no negative width")
+        self.row_scale = int(row_scale)
         self.vocab_size, self.successors_k = int(vocab_size), int(k)
         self.branching = tuple(int(b) for b in branching)
         self._branching_c = (ctypes.c_int64 * max(1, len(self.branching)))(*self.branching)
@@ -167,7 +173,7 @@ class RecycleStore(StoreBase):
         paths, masses, paired = self._grow(previous, last, continuation_len)
         # rows per path (round half to even, as numpy rounds); Python integers and two array calls in all, since
         # right after a forward pass each distinct numpy operation runs from cold caches
-        kept = [(path, n) for path, n in zip(paths, (round(m * ROW_SCALE) for m in masses)) if n > 0]
+        kept = [(path, n) for path, n in zip(paths, (round(m * self.row_scale) for m in masses)) if n > 0]
         if not kept:
             return empty_lookup(self.source, continuation_len)
         rows = np.array([path + (-1,) * (continuation_len - len(path)) for path, _ in kept], dtype=np.int64)
@@ -185,11 +191,11 @@ class RecycleStore(StoreBase):
                 or self.pair_table.dtype != np.int32 or self.pair_keys.dtype != np.int64:
             return None
         table, keys, pairs = (address(t) for t in tables)
-        rows = np.empty((min(max_matches, 4 * ROW_SCALE), depth), dtype=np.int64)
+        rows = np.empty((min(max_matches, 4 * self.row_scale), depth), dtype=np.int64)
         info = (ctypes.c_int64 * 1)()
         n = lib.rest_lab_recycle_grow(table, self.vocab_size, self.successors_k, keys, pairs, _GOLDEN, _SHIFT,
                                       self._branching_c, len(self.branching), _PAIR_PRIOR_C, len(PAIR_PRIOR),
-                                      _TOKEN_PRIOR_C, len(TOKEN_PRIOR), previous, root, depth, float(ROW_SCALE),
+                                      _TOKEN_PRIOR_C, len(TOKEN_PRIOR), previous, root, depth, float(self.row_scale),
                                       rows.shape[0], rows.ctypes.data, info)
         if n < 0 or (n == rows.shape[0] < max_matches):  # refused, or the buffer may have cut rows: Python
             return None
@@ -223,7 +229,7 @@ class RecycleStore(StoreBase):
                 if path:
                     paths.append(path)
                     ends.append(chance - sum(c[3] for c in children))
-                grown.extend(c for c in children if c[3] * ROW_SCALE >= 0.5)  # too unlikely to draft
+                grown.extend(c for c in children if c[3] * self.row_scale >= 0.5)  # too unlikely to draft
             frontier = grown
         for path, _, _, chance in frontier:
             paths.append(path)

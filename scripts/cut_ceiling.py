@@ -17,7 +17,10 @@ very trees it then replays budget rules against the cost curve the run ended wit
   perfect ranking as well).
 
 The replay ignores what other choices would have taught the cost model and the stores, so it bounds
-what a budget rule can reach on these trees rather than predicting a run.
+what a budget rule can reach on these trees rather than predicting a run.  What no budget rule can reach
+is reported first: how often the answer's next token is among no candidate at all, and how far into the
+answer the candidates reach per step.  `--model-branching` and `--model-row-scale` let the model's own
+predictions (source "model") draft wider and deeper, to see how much of that ceiling is theirs.
 
     .venv/bin/python scripts/cut_ceiling.py --suite humaneval --limit 16
     .venv/bin/python scripts/cut_ceiling.py --suite chat --limit 16
@@ -34,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from datastores.recycle import BRANCHING, ROW_SCALE, RecycleStore
 from rest_core.bench.methods import rest_full_stores
 from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
@@ -97,7 +101,8 @@ def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeCo
                 path = answer_path(tree, out.tokens[done:])
                 rows.append({"candidates": int(tree.draft_size), "kept": trace.draft_size,
                              "accepted": trace.accepted_drafts, "ranks": [rank[n] for n in path],
-                             "chances": [float(c) for c in chance]})
+                             "chances": [float(c) for c in chance],
+                             "before": (list(ids) + out.tokens[:done])[-6:], "next": out.tokens[done]})
                 done += len(trace.new_tokens)
     finally:
         decoder.budget_chooser = chooser
@@ -180,10 +185,24 @@ def knowing_the_answer(rows: Sequence[dict], forward_ms: Callable) -> Callable[[
     return _rule_at(rows, options, _best_rate(options))
 
 
+def coverage(rows: Sequence[dict]) -> list[str]:
+    """How far into the answer each step's candidates reach, whatever is kept of them."""
+    reach = np.array([len(r["ranks"]) for r in rows])
+    empty = np.array([r["candidates"] == 0 for r in rows])
+    shares = ", ".join(f"{n}: {np.mean(reach == n):.1%}" for n in range(4)) + f", 4 or more: {np.mean(reach >= 4):.1%}"
+    first = np.array([r["ranks"][0] for r in rows if r["ranks"]])
+    ranked = ", ".join(f"top {b}: {np.mean(first < b):.0%}" for b in (1, 2, 4, 8)) if first.size else "-"
+    return [f"the answer's next token among no candidate: {np.mean(reach == 0):.1%} of steps "
+            f"({np.mean(empty):.1%} with no candidates at all)",
+            f"answer tokens the candidates hold per step: {shares}",
+            f"where they hold the next one, the cost model ranked it within its {ranked}"]
+
+
 def report(rows: Sequence[dict], forward_ms: Callable) -> list[str]:
     lines = [f"{len(rows)} steps, candidates per step {np.mean([r['candidates'] for r in rows]):.1f}, kept "
              f"{np.mean([r['kept'] for r in rows]):.2f}; cost curve x one token at 2/4/8/16: "
              + " / ".join(f"{forward_ms(q) / forward_ms(1):.2f}" for q in (2, 4, 8, 16))]
+    lines += coverage(rows)
     recorded = replay(rows, forward_ms, lambda r: r["kept"])
     lines.append(f"recorded choice: {recorded[0]:.3f} tokens per pass, {recorded[1]:.3f}x on the curve")
     def line(label: str, found: tuple[float, float]) -> str:
@@ -195,7 +214,7 @@ def report(rows: Sequence[dict], forward_ms: Callable) -> list[str]:
         label = "the rate the chances promise" if multiple is None else f"{multiple:.1f} x the one-token rate"
         found = replay(rows, forward_ms, at_rate(rows, forward_ms, multiple))
         lines.append(line(f"expected tokens - r * ms, r = {label}", found))
-    for b in (2, 4, 8, 16):
+    for b in (2, 4, 8, 16, 24, 32):
         lines.append(line(f"fixed budget {b}", replay(rows, forward_ms, lambda r, b=b: b)))
     knowing = knowing_the_answer(rows, forward_ms)
     lines.append(line("the best budgets, knowing the answer", replay(rows, forward_ms, knowing)))
@@ -210,17 +229,36 @@ def main() -> None:
     ap.add_argument("--suite", choices=("chat", "humaneval"), default="chat")
     ap.add_argument("--limit", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--model-branching", type=lambda s: tuple(int(b) for b in s.split(",")), default=BRANCHING,
+                    help="children per node at each depth of the model source's drafts, comma-separated "
+                         f"(default {','.join(map(str, BRANCHING))})")
+    ap.add_argument("--model-row-scale", type=int, default=ROW_SCALE,
+                    help=f"the model source's rows per unit of chance (default {ROW_SCALE}; paths below 1/(2x) "
+                         "of chance are not drafted)")
+    ap.add_argument("--candidates", type=int, default=CostModel.max_budget, metavar="N",
+                    help=f"nodes of the candidate tree each step hands the cost model (default {CostModel.max_budget}, "
+                         "the decoder's; the cost model keeps at most its largest budget of them)")
+    ap.add_argument("--show-misses", type=int, default=0, metavar="N",
+                    help="print N steps (drawn at random, seed 0) whose next token was among no candidate")
     args = ap.parse_args()
     lm = load_model()
-    stores, kind = rest_full_stores(lm, args.suite)
+    model = RecycleStore(lm.vocab_size, branching=args.model_branching, row_scale=args.model_row_scale)
+    stores, kind = rest_full_stores(lm, args.suite, model=model)
     base = CostModel.for_model(lm, stores=stores, kind=kind)
-    chooser = CostModel(times_ms=base.times_ms.copy(), labels=base.labels, kind=kind)  # counts from empty
+    chooser = CostModel(times_ms=base.times_ms.copy(), labels=base.labels, kind=kind,  # counts from empty
+                        max_budget=args.candidates)
     decoder = RestDecoder(lm, stores=stores, budget_chooser=chooser)
     suite = load_suite(args.suite, lm.tokenizer, limit=args.limit,
                        pick=BENCHMARK_CHAT_PROMPTS if args.suite == "chat" else None)
     rows = record(decoder, [p.ids for p in suite], DecodeConfig(max_new_tokens=args.max_new_tokens))
     print(cpu_line(cpu_info()))
+    print(f"model source: branching {','.join(map(str, model.branching))}, row scale {model.row_scale}")
     print("\n".join(report(rows, chooser.forward_ms)))
+    misses = [r for r in rows if not r["ranks"]]
+    picked = np.random.default_rng(0).permutation(len(misses))[:args.show_misses]
+    for i in sorted(picked):
+        row = misses[i]
+        print(f"  {lm.decode(row['before'])!r} -> {lm.decode([row['next']])!r} ({row['candidates']} candidates)")
 
 
 if __name__ == "__main__":

@@ -393,7 +393,12 @@ def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
     knowing = module.replay(rows, chooser.forward_ms, module.knowing_the_answer(rows, chooser.forward_ms))
     assert knowing[1] >= recorded[1] - 1e-9
     lines = module.report(rows, chooser.forward_ms)
-    assert lines[1].startswith("recorded choice") and len(lines) == 16
+    uncovered = np.mean([not r["ranks"] for r in rows])  # the answer's next token among no candidate
+    assert 0 < uncovered < 1  # both kinds of step occur here, so the share below is not a constant
+    assert lines[1].startswith(f"the answer's next token among no candidate: {uncovered:.1%} of steps")
+    assert lines[2].startswith(f"answer tokens the candidates hold per step: 0: {uncovered:.1%}, ")
+    assert lines[4].startswith("recorded choice") and len(lines) == 21
+    assert all(len(r["before"]) <= 6 and isinstance(r["next"], int) for r in rows)
     assert sum(line.startswith("expected tokens - r * ms") for line in lines) == 4
 
 

@@ -43,6 +43,24 @@ def test_lookup_drafts_a_tree_scored_by_the_chance_of_reaching_each_node():
     assert trained().lookup([1, 2, 6]).matched_len == 0  # nothing known after 6: no draft
 
 
+def test_a_finer_row_scale_drafts_deeper_guesses_and_a_wider_branching_more_children():
+    """row_scale sets the least chance drafted (1 / (2 * row_scale)) and branching the children per depth: the
+    three lone-token guesses too unlikely at the default are drafted at 1000 rows per unit of chance."""
+    base = trained()
+    wide = RecycleStore(vocab_size=50, k=4, branching=(1, 4, 4), row_scale=1000)
+    wide.table[:] = base.table
+    for native in (True, False):
+        base.native = wide.native = native
+        fine = shares_by_path(build_draft_tree(5, [wide.lookup([1, 2, 5], continuation_len=4)], budget=64))
+        coarse = shares_by_path(build_draft_tree(5, [base.lookup([1, 2, 5], continuation_len=4)], budget=64))
+        assert (7, 8, 30) in fine and (7, 8, 30) not in coarse
+        assert (9,) in coarse and (9,) not in fine  # one child at the first depth
+        assert {(7, 8), (7, 20), (7, 21), (7, 22)} <= set(fine)  # four at the second
+    for bad in ({"row_scale": 0}, {"row_scale": 10**6}, {"branching": (2, -1)}):
+        with pytest.raises(DatastoreError, match="row_scale"):
+            RecycleStore(vocab_size=50, k=4, **bad)
+
+
 def shares_by_path(tree) -> dict[tuple[int, ...], float]:
     """Each node's share, keyed by the tokens from the root to it."""
     by_path = {}
@@ -240,7 +258,7 @@ def test_the_successor_replay_counts_a_triple_that_tells_two_contexts_of_a_pair_
 
 def test_the_native_draft_is_the_python_paths_row_for_row():
     """`recycle_grow.cpp` drafts the same rows in the same order as the Python path: random tables (unknown
-    successors included), pairs seen and not, random depths, branchings and row limits."""
+    successors included), pairs seen and not, random depths, branchings, row scales and row limits."""
     from datastores.native import recycle_grow_library
     if recycle_grow_library() is None:
         pytest.skip("no C++ compiler here: the Python path is the only one")
@@ -250,7 +268,8 @@ def test_the_native_draft_is_the_python_paths_row_for_row():
     for trial in range(300):
         vocab, k = int(rng.integers(8, 40)), int(rng.integers(1, 9))
         branching = tuple(int(b) for b in rng.integers(1, 5, size=int(rng.integers(1, 8))))
-        store = RecycleStore(vocab_size=vocab, k=k, branching=branching)
+        row_scale = int(rng.choice([1, 7, 100, 1000]))
+        store = RecycleStore(vocab_size=vocab, k=k, branching=branching, row_scale=row_scale)
         n = int(rng.integers(1, 3 * vocab))
         tokens = rng.integers(0, vocab, size=n)
         succ = rng.integers(0, vocab, size=(n, k))

@@ -61,14 +61,15 @@ MODEL_SOURCE_METHODS = ("rest_full", "rest_model")  # each gets its own table of
 DEFAULT_KERNELS = "@default"  # method suffix: run with transformers' default linear kernels and SDPA
 
 
-def rest_full_stores(lm: LoadedModel, suite: str) -> tuple[list[Store], str]:
+def rest_full_stores(lm: LoadedModel, suite: str, model: RecycleStore | None = None) -> tuple[list[Store], str]:
     """rest_full's stores for a measurement script, and the kind of text the suite decodes: the Python
     store, the general-text store in chat, the request store, a history and the model's own predictions (the
-    last two in memory and empty)."""
+    last two in memory and empty; `model` replaces the default model source, e.g. one drafting wider)."""
     chat = suite == "chat"
     stores = assemble_stores(static=open_default_store(lm.tokenizer, progress=False),
                              answers=open_answers("default", lm.name, lm.tokenizer) if chat else None,
-                             request=True, history=HistoryStore(path=None), model=RecycleStore(lm.vocab_size))
+                             request=True, history=HistoryStore(path=None),
+                             model=model if model is not None else RecycleStore(lm.vocab_size))
     return stores, "chat" if chat else "text"
 
 
