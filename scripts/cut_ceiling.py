@@ -19,11 +19,14 @@ very trees it then replays budget rules against the cost curve the run ended wit
 The replay ignores what other choices would have taught the cost model and the stores, so it bounds
 what a budget rule can reach on these trees rather than predicting a run.  What no budget rule can reach
 is reported first: how often the answer's next token is among no candidate at all, and how far into the
-answer the candidates reach per step.  `--model-branching` and `--model-row-scale` let the model's own
-predictions (source "model") draft wider and deeper, to see how much of that ceiling is theirs.
+answer the candidates reach per step; `--show-misses N` prints N of the steps no candidate covered.
+`--candidates` hands the cost model more of the merged tree than the decoder's 63 nodes, and
+`--model-branching` / `--model-row-scale` let the model's own predictions (source "model") draft wider and
+deeper, to see how much of that ceiling is the candidate count's and the model source's.
 
     .venv/bin/python scripts/cut_ceiling.py --suite humaneval --limit 16
-    .venv/bin/python scripts/cut_ceiling.py --suite chat --limit 16
+    .venv/bin/python scripts/cut_ceiling.py --suite chat --limit 16 --show-misses 30
+    .venv/bin/python scripts/cut_ceiling.py --suite chat --limit 16 --candidates 255
 """
 from __future__ import annotations
 
