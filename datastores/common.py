@@ -23,8 +23,11 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 SEP: int = 0xFFFFFFFF  # document separator in every token stream; never a real token
+# Fibonacci hashing (2^64 / golden ratio): the top b bits of key * GOLDEN spread any keys evenly over 2^b slots
+GOLDEN: int = 0x9E3779B97F4A7C15
 
 __all__ = [
+    "GOLDEN",
     "SEP",
     "DatastoreError",
     "Lookup",

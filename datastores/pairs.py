@@ -21,10 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from datastores.common import SEP
+from datastores.common import GOLDEN, SEP
 
-_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits of key * golden spread any keys evenly
-_GOLDEN_U = np.uint64(_GOLDEN)
+_GOLDEN_U = np.uint64(GOLDEN)
 _MASK64 = (1 << 64) - 1
 MIN_LOG2, MAX_LOG2 = 16, 26  # 8 KB .. 8 MB of bits
 _CHUNK = 1 << 22  # tokens hashed per numpy pass
@@ -68,7 +67,7 @@ class PairBits:
                 return False
         if not (0 <= a < SEP and 0 <= b < SEP):
             return False
-        h = ((((a << 32) | b) * _GOLDEN) & _MASK64) >> self._shift
+        h = ((((a << 32) | b) * GOLDEN) & _MASK64) >> self._shift
         return not self.bits[h >> 3] >> (h & 7) & 1
 
     def add(self, before: int, tokens: Sequence[int]) -> None:
@@ -78,7 +77,7 @@ class PairBits:
         bits, shift = self.bits, self._shift
         for t in tokens:
             if before >= 0:
-                h = ((((before << 32) | t) * _GOLDEN) & _MASK64) >> shift
+                h = ((((before << 32) | t) * GOLDEN) & _MASK64) >> shift
                 bits[h >> 3] |= 1 << (h & 7)
             before = t
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from datastores.common import (
+    GOLDEN,
     DatastoreError,
     Lookup,
     StoreBase,
@@ -53,7 +54,6 @@ BRANCHING = (4, 3, 2, 2, 1, 1, 1, 1, 1, 1)  # children per node at each depth of
 PAIR_PRIOR = (0.53, 0.08, 0.04, 0.026, 0.02, 0.014, 0.012, 0.012)
 TOKEN_PRIOR = (0.15, 0.08, 0.048, 0.034, 0.022, 0.02, 0.018, 0.016)
 PAIR_SLOTS = 1 << 16  # pairs kept (2.5 MiB at k = 8); a newer pair hashed to a taken slot replaces the older
-_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: a pair's slot is the top bits of key * golden ratio * 2^64
 _SHIFT = 64 - (PAIR_SLOTS.bit_length() - 1)
 FORMAT_VERSION = 2  # 1: the per-token table only
 FEW_NODES = 16  # `observe` of at most this many nodes runs on Python integers (cold, 16 nodes: ~0.1 ms, arrays ~0.12)
@@ -193,7 +193,7 @@ class RecycleStore(StoreBase):
         table, keys, pairs = (address(t) for t in tables)
         rows = np.empty((min(max_matches, 4 * self.row_scale), depth), dtype=np.int64)
         info = (ctypes.c_int64 * 1)()
-        n = lib.rest_lab_recycle_grow(table, self.vocab_size, self.successors_k, keys, pairs, _GOLDEN, _SHIFT,
+        n = lib.rest_lab_recycle_grow(table, self.vocab_size, self.successors_k, keys, pairs, GOLDEN, _SHIFT,
                                       self._branching_c, len(self.branching), _PAIR_PRIOR_C, len(PAIR_PRIOR),
                                       _TOKEN_PRIOR_C, len(TOKEN_PRIOR), previous, root, depth, float(self.row_scale),
                                       rows.shape[0], rows.ctypes.data, info)
@@ -281,9 +281,9 @@ _TOKEN_PRIOR_C = (ctypes.c_double * len(TOKEN_PRIOR))(*TOKEN_PRIOR)
 
 def _slot(key: int) -> int:
     """The pair table's slot of one key (previous * V + token, >= 0): `_slots` without arrays, for lookups."""
-    return ((key * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> _SHIFT
+    return ((key * GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> _SHIFT
 
 
 def _slots(keys: np.ndarray) -> np.ndarray:
     """(n,) the pair table's slot of each key (previous * V + token, >= 0)."""
-    return ((keys.astype(np.uint64) * np.uint64(_GOLDEN)) >> np.uint64(_SHIFT)).astype(np.int64)
+    return ((keys.astype(np.uint64) * np.uint64(GOLDEN)) >> np.uint64(_SHIFT)).astype(np.int64)
