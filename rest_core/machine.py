@@ -49,3 +49,25 @@ def machine_key() -> str:
                                      info["cpu_capability"], torch.__version__, torch.get_num_threads(),
                                      os.cpu_count()))
     return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def code_version() -> str:
+    """Which code is running, for results pages: the git commit of the checkout this package runs from
+    ("3a527d1", "+ uncommitted changes" when the work tree differs from it), else the installed version."""
+    import subprocess
+    from importlib import metadata
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if (root / ".git").exists():
+        try:
+            run = dict(cwd=root, capture_output=True, text=True, timeout=10, check=True)
+            commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], **run).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
+            return f"commit {commit}" + (" + uncommitted changes" if dirty else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        return f"rest-lab {metadata.version('rest-lab')}"
+    except metadata.PackageNotFoundError:
+        return "unknown (not a git checkout, not an installed package)"

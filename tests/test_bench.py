@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections import Counter
 
 import numpy as np
@@ -33,7 +34,7 @@ from rest_core.decode import DecodeConfig, plain_generate
 from rest_core.sampling import Sampling
 from rest_core.traces.recorder import TraceRecorder
 
-from conftest import make_tiny_lm
+from conftest import ROOT, make_tiny_lm
 
 PROMPTS = [(5, 6, 7, 5, 6, 7, 5, 6), (11, 12, 13, 14, 11, 12)]
 # the methods a run without the general-text store runs by default
@@ -107,6 +108,10 @@ def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
         assert set(SUMMARY_KEYS) <= set(summ[m])
         assert summ[m]["prompts_ok"] == 2 and summ[m]["prompts_failed"] == 0
     assert "Machine:" in md and "python -m rest_core bench --suite tiny" in md
+    # the page names the code it measured: this checkout's commit
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert f"Code: commit {head.stdout.strip()}" in md and data["machine"]["code"].startswith("commit ")
     assert data["machine"]["torch_threads"] >= 1 and data["machine"]["cpu"]
     # the CPU in the machine line: model name, vendor where the OS says it, the instruction set torch uses
     cap = torch.backends.cpu.get_cpu_capability()

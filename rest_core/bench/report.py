@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -15,7 +16,7 @@ import transformers
 from plotly.subplots import make_subplots
 
 from rest_core.bench.methods import TRACED
-from rest_core.machine import cpu_info
+from rest_core.machine import code_version, cpu_info
 
 if TYPE_CHECKING:
     from rest_core.model import LoadedModel
@@ -41,7 +42,8 @@ def machine_info(lm: LoadedModel | type[_CpuOnly]) -> dict:
     info = {**cpu_info(), "cores": os.cpu_count(), "usable_cores": usable, "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""), "model": lm.name,
-            "model_source": lm.source, "loadavg_start": loadavg()}
+            "model_source": lm.source, "loadavg_start": loadavg(), "code": code_version(),
+            "date": time.strftime("%Y-%m-%d")}
     kernels = getattr(lm, "kernels", None)
     info["kernels"] = kernels.describe() if kernels is not None else "transformers' default linear kernels"
     attn = getattr(lm, "attention", None)
@@ -215,7 +217,7 @@ def markdown(results: dict) -> str:
               f"{mc['transformers']}; model {mc['model']}; load average {mc.get('loadavg_start')} at start, "
               f"{mc.get('loadavg_end')} at end."), "",
              f"Linear kernels: {mc.get('kernels', 'not recorded')}. Attention: {mc.get('attention', 'torch SDPA')}.",
-             "",
+             "", f"Code: {mc.get('code', 'not recorded')}; run on {mc.get('date', 'an unrecorded date')}.", "",
              f"Command: `{results.get('command') or '(library call)'}`", "",
              *_table(summ), "", *_source_table(summ.get("by_source")),
              *_per_prompt_table(summ.get("per_prompt"), rounds),

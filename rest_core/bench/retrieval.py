@@ -88,6 +88,7 @@ def retrieval_markdown(results: dict) -> str:
     mc = results["machine"]
     lines = ["# REST Lab benchmark: retrieval", "",
              f"Machine: {cpu_line(mc)}, {mc['cores']} cores; load average {mc.get('loadavg_start')}.", "",
+             f"Code: {mc.get('code', 'not recorded')}; run on {mc.get('date', 'an unrecorded date')}.", "",
              f"Command: `{results.get('command') or '(library call)'}`", "",
              f"Lookup settings: {results['settings']['lookup']}; {results['settings']['contexts']} contexts per kind.",
              "", ("| store tokens | inside p50 / p99 µs | held-out p50 / p99 µs | held-out hit rate | "

@@ -162,7 +162,8 @@ def verify_markdown(results: dict) -> str:
     lines = [f"# Verify pass cost: {cpu}, torch threads {mc.get('torch_threads', '?')}", "",
              f"Kernels: {results['kernels']}; attention (tuned): {mc.get('attention', 'torch SDPA')}; "
              f"load average {mc.get('loadavg_start')} at start, "
-             f"{mc.get('loadavg_end')} at end.", "", f"Command: `{results['command']}`", ""]
+             f"{mc.get('loadavg_end')} at end.", "", f"Code: {mc.get('code', 'not recorded')}; run on "
+             f"{mc.get('date', 'an unrecorded date')}.", "", f"Command: `{results['command']}`", ""]
     for p, by_mode in results["curves"].items():
         modes = list(by_mode)
         lines += [f"## Prefix {p}: one forward pass over q tokens, ms (median, p25–p75 of {results['rounds']} "
