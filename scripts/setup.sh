@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Set up .venv at the repository root (idempotent; re-runs only when requirements change).
 #   scripts/setup.sh          runtime: torch (CPU build where it lies on disk), requirements.txt, the offline model
-#   scripts/setup.sh --dev    also the test tools and Debian's Chromium for the browser tests
+#   scripts/setup.sh --tools  also the test tools (requirements-dev.txt)
+#   scripts/setup.sh --dev    the test tools and Debian's Chromium for the browser tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dev=0
-[ "${1:-}" = "--dev" ] && dev=1
+chromium=0
+case "${1:-}" in
+  --tools) dev=1 ;;
+  --dev) dev=1; chromium=1 ;;
+esac
 PY=${PYTHON:-python3}
 
 if [ ! -x .venv/bin/python ]; then
@@ -33,6 +38,8 @@ if [ $dev = 1 ]; then
     "${pip[@]}" install -q -r requirements-dev.txt
     echo "$dwant" > "$dstamp"
   fi
+fi
+if [ $chromium = 1 ]; then
   if [ ! -x /usr/bin/chromium ]; then
     echo "Installing Debian's chromium for the browser tests..."
     if [ "$(id -u)" = 0 ]; then

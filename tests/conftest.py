@@ -20,6 +20,29 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+# The quick tier (./test.sh --fast) leaves these out; a test that needs what they name carries the marker, by
+# hand or, for the fixtures below, from the fixture it asks for.
+SLOW_TIERS = ("model", "browser", "server", "package", "slow", "vllm")
+FIXTURE_TIERS = {"default_lm": "model", "default_store": "model", "served": "server"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in sorted({FIXTURE_TIERS[f] for f in item.fixturenames if f in FIXTURE_TIERS}):
+            item.add_marker(name)
+
+
+@pytest.fixture(autouse=True)
+def _quick_tier_has_no_default_model(monkeypatch):
+    """In the quick tier (REST_LAB_FAST_TESTS=1, set by ./test.sh --fast) loading the default model fails at
+    once, naming the marker the test lacks, instead of converting it (minutes on a fresh machine)."""
+    if os.environ.get("REST_LAB_FAST_TESTS") == "1":
+        def refuse() -> str:
+            raise RuntimeError("this test loads the default model: mark it @pytest.mark.model (the quick tier, "
+                               "./test.sh --fast, leaves such tests out)")
+        monkeypatch.setattr("rest_core.model.ensure_default_model", refuse)
+
+
 REAL_CACHE = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "rest-lab").expanduser()
 
 

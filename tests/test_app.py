@@ -418,6 +418,7 @@ def test_the_race_runs_both_decodes_in_turn_and_times_each_by_its_own_steps():
     assert plain.wall_s + rest.wall_s <= shared  # ... and only its own: together they fill the time both shared
 
 
+@pytest.mark.slow
 def test_importing_the_app_touches_no_cache(tmp_path):
     cache = tmp_path / "cache"
     root = Path(__file__).resolve().parents[1]
@@ -504,6 +505,7 @@ def is_plot(value) -> bool:
     return isinstance(value, dict) and value.get("type") == "plotly" and "draft" in str(value.get("plot", ""))
 
 
+@pytest.mark.slow
 def test_module_builds_the_page():
     import gradio as gr
 

@@ -94,6 +94,7 @@ def _prompts():
     return [BenchPrompt(f"p{i}", f"prompt {i}", p) for i, p in enumerate(PROMPTS)]
 
 
+@pytest.mark.slow
 def test_greedy_benchmark_end_to_end(lm, store, tmp_path):
     out = tmp_path / "out"
     res = run_benchmark(lm, _prompts(), DecodeConfig(max_new_tokens=8), None, store, out, suite="tiny",

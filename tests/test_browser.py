@@ -15,7 +15,7 @@ import pytest
 
 from conftest import CHROMIUM, chromium_page, free_port
 
-pytestmark = [pytest.mark.browser, pytest.mark.usefixtures("module_cache")]
+pytestmark = [pytest.mark.browser, pytest.mark.server, pytest.mark.usefixtures("module_cache")]
 
 SHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
 DECODE_MS = 600_000  # a whole answer on a slow, shared CPU

@@ -17,7 +17,7 @@ from rest_core.model import DEFAULT_MODEL
 
 from conftest import CHROMIUM, chromium_page, free_port, make_tiny_lm, no_chooser, private_cache
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.server]
 
 SHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
 POLICY = Policy(public=True, reason="test", models=(DEFAULT_MODEL, "tiny-random"), max_prompt_chars=300,

@@ -187,6 +187,7 @@ def _spread_out_case():
     return lm, prompt, sampling, _exact_sequence_probs(lm, prompt, sampling, 3, 5)
 
 
+@pytest.mark.slow
 def test_rest_sampling_matches_plain_distribution():
     lm, prompt, sampling, expected = _spread_out_case()
     store = BruteForceStore([1, 2, 0, 1, 2, 1, 2, 3, 0, 0, 1, 2, 2, 2, 3, 2, 0, 1])  # branching drafts
@@ -195,6 +196,7 @@ def test_rest_sampling_matches_plain_distribution():
     assert _chi_square_p(observed, expected, runs) > 1e-3
 
 
+@pytest.mark.slow
 def test_rest_sampling_with_the_models_own_drafts_matches_plain_distribution():
     lm, prompt, sampling, expected = _spread_out_case()
     recycled = RecycleStore(5, k=3)  # learns from every pass, so later runs draft branching trees from it
@@ -204,6 +206,7 @@ def test_rest_sampling_with_the_models_own_drafts_matches_plain_distribution():
     assert _chi_square_p(observed, expected, runs) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_chi_square_check_catches_the_biased_reference_rule(monkeypatch):
     """Sampling each child independently and re-drawing fresh on rejection favours drafted tokens."""
     def biased(tree, logits, cfg, gen, choices=None):

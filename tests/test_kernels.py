@@ -63,6 +63,7 @@ def tuned_tiny(kernel: str = "packed"):
     return lm, reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["packed", "transposed", "blocked", "blocked_tall"])
 def test_every_linear_is_swapped_and_gives_the_default_logits(kernel):
     lm, reference = tuned_tiny(kernel)
@@ -78,6 +79,7 @@ def test_every_linear_is_swapped_and_gives_the_default_logits(kernel):
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (q, (got - want).abs().max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["packed", "transposed", "blocked", "blocked_tall"])
 def test_tree_passes_with_a_cache_match_the_default_kernels(kernel):
     """A verify pass (tree mask, DynamicCache) over q nodes: the same logits as transformers' layers."""
@@ -137,6 +139,7 @@ def test_the_blocked_kernel_gives_every_row_count_its_own_sums(tall):
                 assert torch.equal(got, layer.blocked_forward(x)), rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_greedy_rest_stays_identical_to_plain_with_every_kernel(kernel):
     lm, _ = tuned_tiny(kernel)
@@ -150,6 +153,7 @@ def test_greedy_rest_stays_identical_to_plain_with_every_kernel(kernel):
     assert plain_generate(lm, prompt, cfg).tokens == plain.tokens
 
 
+@pytest.mark.slow
 def test_the_switch_turns_the_tuned_kernels_off(monkeypatch):
     monkeypatch.setenv("REST_LAB_KERNELS", "default")
     lm = make_tiny_lm(layers=1)
@@ -204,6 +208,7 @@ def test_the_choice_follows_the_measured_times_per_row_count():
             assert all(layer.plan[r] == KERNELS.index(table[r]) for r in ROWS)
 
 
+@pytest.mark.slow
 def test_calibration_is_kept_per_machine_key_and_measured_again_on_a_new_one(monkeypatch, tmp_path):
     measured = []
     real = kernels._measure
@@ -227,6 +232,7 @@ def test_calibration_is_kept_per_machine_key_and_measured_again_on_a_new_one(mon
     assert len(measured) == 4 and json.loads(path.read_text())["version"] == kernels.VERSION
 
 
+@pytest.mark.slow
 def test_the_cost_curve_is_calibrated_per_kernel_choice():
     lm, _ = tuned_tiny()
     tuned_path = cost._calibration_path(lm)
@@ -237,6 +243,7 @@ def test_the_cost_curve_is_calibrated_per_kernel_choice():
     assert cost._calibration_path(lm) == default_path  # switched off = never tuned: the same curve
 
 
+@pytest.mark.slow
 def test_verify_pass_curve_times_both_kernels_interleaved():
     lm, _ = tuned_tiny()
     curves = cost_curves(lm, ["tuned", "default"], prefixes=(16,), grid=(1, 4), rounds=3)
@@ -251,6 +258,7 @@ def test_verify_pass_curve_times_both_kernels_interleaved():
     assert "| 4 |" in md and "| 16 | 4 | tuned | 1.0 | 0.0 | 0.0 | 0.5 | 1.5 |" in md
 
 
+@pytest.mark.slow
 def test_benchmark_runs_every_method_with_both_kernels_against_untouched_generate(tmp_path):
     lm, _ = tuned_tiny()
     prompts = [BenchPrompt("p0", "p0", (5, 6, 7, 5, 6, 7, 5, 6))]
@@ -295,6 +303,7 @@ def test_the_command_line_knows_the_verify_suite_and_the_side_by_side_switch():
                       ["rest_nothing@default"], None, None, progress=False)
 
 
+@pytest.mark.slow
 def test_the_compile_probe_times_every_mode_side_by_side_and_puts_inductor_back():
     """scripts/compile_probe.py on a tiny model's MLPs: eager is the reference (no compile time, no
     difference), compiled layers give eager's numbers to float rounding, every row count is timed per
@@ -316,6 +325,7 @@ def test_the_compile_probe_times_every_mode_side_by_side_and_puts_inductor_back(
         module.measure(mlps, 64, modes=("fast",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("why", ["no compiler", "build fails", "switched off"])
 def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why):
     monkeypatch.setattr(native, "_tried", False)  # as in a new process, on a machine where it cannot be built
@@ -347,6 +357,7 @@ def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why
         native.pack(torch.zeros(16, 8), None)
 
 
+@pytest.mark.slow
 def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it_is_measured_again(monkeypatch):
     """Built once per machine; a cached choice is measured again where it needs a kernel that cannot run now, and
     where it was measured without one that can (a run with REST_LAB_NATIVE=0 must not slow every later run)."""
@@ -393,6 +404,7 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     assert measured == [1, 1, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["blocked", "blocked_tall"])
 def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_back(kernel):
     """scripts/kernel_ab.py: both builds run every size in every round (their calls timed), the logits of the two

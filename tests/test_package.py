@@ -31,6 +31,8 @@ from rest_core import app as sup
 
 from conftest import ROOT, free_port, last_values, private_cache
 
+pytestmark = [pytest.mark.package, pytest.mark.slow]
+
 PIP_TIMEOUT_S = 900
 START_TIMEOUT_S = 300
 

@@ -127,6 +127,7 @@ def test_a_trace_file_from_before_the_probabilities_opens_and_replays(tmp_path):
     rec.close()
 
 
+@pytest.mark.model
 def test_a_character_split_across_tokens_shows_its_bytes():
     from rest_core.model import load_tokenizer
 

@@ -27,7 +27,7 @@ from rest_core.traces.recorder import TraceRecorder
 
 from conftest import free_port, make_tiny_lm, no_chooser
 
-pytestmark = pytest.mark.usefixtures("module_cache")
+pytestmark = [pytest.mark.server, pytest.mark.usefixtures("module_cache")]
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "t5 t6 t7 t8 t9"
