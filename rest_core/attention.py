@@ -34,7 +34,7 @@ from torch import nn
 
 from datastores.common import cache_dir, write_atomic
 from rest_core import native
-from rest_core.kernels import ROWS, kernels_mode, row_neighbours, row_ranges
+from rest_core.kernels import ROWS, Progress, Report, kernels_mode, row_neighbours, row_ranges
 from rest_core.machine import machine_key
 
 LENGTHS = (256, 1024)  # cache lengths timed
@@ -99,10 +99,12 @@ def head_shape(model: nn.Module) -> Optional[HeadShape]:
     return (heads, int(kv), int(size)) if size else None
 
 
-def tune_attention(model: nn.Module, cache: bool = True) -> Optional[AttentionChoice]:
+def tune_attention(model: nn.Module, cache: bool = True, report: Optional[Report] = None,
+                   progress: Optional[Progress] = None) -> Optional[AttentionChoice]:
     """Measure (or read) which attention kernel each row count uses for this CPU float32 model's head shape, and
-    put the choice in force for every layer of that shape.  None where nothing is chosen: REST_LAB_KERNELS=default,
-    a GPU or half-precision model, an unusual head shape, or no native kernel on this machine."""
+    put the choice in force for every layer of that shape (`report` is told when it has to measure, and what it
+    found; `progress` counts the cache lengths and row counts timed).  None where nothing is chosen:
+    REST_LAB_KERNELS=default, a GPU or half-precision model, an unusual head shape, or no native kernel here."""
     shape = head_shape(model)
     param = next(model.parameters(), None)
     if (kernels_mode() == "default" or shape is None or param is None or param.device.type != "cpu"
@@ -115,16 +117,21 @@ def tune_attention(model: nn.Module, cache: bool = True) -> Optional[AttentionCh
     path = cache_dir() / "kernels" / f"attention-{shape[0]}x{shape[1]}x{shape[2]}-{machine_key()}.json"
     choice = _read(path, shape) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
     if choice is None:
-        choice = measure(shape)
+        if report is not None:
+            report(f"timing the attention kernels for heads {heads}x{kv_heads}x{size} at {len(ROWS)} row counts and "
+                   f"{len(LENGTHS)} cache lengths on this machine (once per machine)")
+        choice = measure(shape, progress=progress)
         if cache:
             _write(path, choice)
+        if report is not None:
+            report(f"attention kernels measured in {choice.measured_s:.0f} s" + (f", kept in {path}" if cache else ""))
     _choices[shape] = choice
     return choice
 
 
 @torch.inference_mode()
 def measure(shape: HeadShape, layers: int = 24, lengths: tuple[int, ...] = LENGTHS, rows: tuple[int, ...] = ROWS,
-            rounds: int = ROUNDS) -> AttentionChoice:
+            rounds: int = ROUNDS, progress: Optional[Progress] = None) -> AttentionChoice:
     """Time both kernels on `layers` sets of keys and values per cache length and row count and choose."""
     heads, kv_heads, size = shape
     start = time.perf_counter()
@@ -136,6 +143,8 @@ def measure(shape: HeadShape, layers: int = 24, lengths: tuple[int, ...] = LENGT
         # keys and values as views of a buffer with room to spare, as the decoder's cache hands them
         buffers = [torch.randn(2, 1, kv_heads, 2 * (length + max(rows)), size, generator=gen) for _ in range(layers)]
         for r in rows:
+            if progress is not None:
+                progress(sum(map(len, timings.values())), len(rows) * len(lengths))
             t = length + r
             kv = [buf[:, :, :, :t] for buf in buffers]
             queries = [torch.randn(1, r, heads, size, generator=gen).transpose(1, 2) for _ in range(layers)]
@@ -155,6 +164,8 @@ def measure(shape: HeadShape, layers: int = 24, lengths: tuple[int, ...] = LENGT
                     if rnd:
                         best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
             timings[length][r] = best
+    if progress is not None:
+        progress(len(rows) * len(lengths), len(rows) * len(lengths))
     choice = AttentionChoice(shape, timings, _native_rows(timings), time.perf_counter() - start)
     return choice
 

@@ -1,4 +1,4 @@
-"""`python -m rest_core generate | bench | traces | datastore`: REST Lab from the command line."""
+"""`python -m rest_core generate | bench | traces | datastore | tune`: REST Lab from the command line."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +24,7 @@ from rest_core.decode import DecodeResult, PromptError, RestDecoder, plain_gener
 from rest_core.model import LoadedModel, ModelLoadError, encode_prompt, load_model
 from rest_core.traces.cli import add_traces_parser
 from rest_core.traces.recorder import TraceRecorder
+from rest_core.tune import add_tune_parser
 
 DESCRIPTION = "REST Lab: retrieval-based speculative decoding you can see."
 
@@ -43,6 +44,7 @@ def _parser(prog: str = "python -m rest_core") -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_traces_parser(sub)
     add_datastore_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 

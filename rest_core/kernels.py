@@ -72,6 +72,8 @@ UNTIMED = float("inf")  # the time of a kernel not run (not available here): it 
 NAMES = {"packed": "oneDNN prepacked", "transposed": "transposed product (W @ x.T)"}  # blocked: _kernel_name
 
 Shape = tuple[int, int]  # (out_features, in_features)
+Report = Callable[[str], None]  # told what a measurement does before it starts, and what it found
+Progress = Callable[[int, int], None]  # (row counts done, row counts in all) while the kernels are timed
 
 
 def kernels_mode() -> str:
@@ -279,8 +281,8 @@ def row_ranges(rows: list[int]) -> str:
 
 
 @torch.inference_mode()
-def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS,
-                   rounds: int = ROUNDS) -> dict[Shape, dict[int, dict[str, float]]]:
+def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS, rounds: int = ROUNDS,
+                   progress: Optional[Progress] = None) -> dict[Shape, dict[int, dict[str, float]]]:
     """Per weight shape, row count and kernel: milliseconds for the shape's layers of one forward pass.
 
     Every layer runs in `layers`' order (the model's) as in a forward pass, so each weight comes from
@@ -294,7 +296,9 @@ def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS,
     panels = all(layer.panels is not None for layer in layers)
     available = [k for k in KERNELS if k not in BLOCKED_KINDS or (panels and _can_run(k))]
     short = native.register_rows() or 0
-    for r in rows:
+    for done, r in enumerate(rows):
+        if progress is not None:
+            progress(done, len(rows))
         # up to `short` rows a tall call runs the very code of a blocked one: timed once, as "blocked"
         runs = [k for k in available if k != "blocked_tall" or r > short]
         inputs = {n: torch.randn(1, r, n, generator=gen) for n in {layer.in_features for layer in layers}}
@@ -314,6 +318,8 @@ def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS,
                         best[shape][k] = min(best[shape][k], sec * 1e3)
         for shape in shapes:
             out[shape][r] = best[shape]
+    if progress is not None:
+        progress(len(rows), len(rows))
     return out
 
 
@@ -337,9 +343,12 @@ def _swap(module: nn.Module) -> list[TunedLinear]:
     return swapped
 
 
-def tune_linears(model: nn.Module, name: str, cache: bool = True) -> Optional[KernelChoice]:
+def tune_linears(model: nn.Module, name: str, cache: bool = True, report: Optional[Report] = None,
+                 progress: Optional[Progress] = None) -> Optional[KernelChoice]:
     """Swap the model's linear layers for TunedLinear and choose, per weight shape and row count, the fastest
-    kernel on this machine (read from the cache when it was measured here before).
+    kernel on this machine (read from the cache when it was measured here before).  When it has to measure,
+    `report` is told so before it starts and what it found after (`python -m rest_core tune` does this step on
+    its own, with `progress`).
 
     Returns the shared KernelChoice, or None when nothing is swapped: REST_LAB_KERNELS=default, a GPU or
     half-precision model, a torch without oneDNN, or no nn.Linear."""
@@ -354,9 +363,15 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True) -> Optional[Ke
     if choice is not None and not _fits_here(choice, shapes):
         choice = None  # timed where other kernels could run than here: measured again
     if choice is None:
-        choice = _measure(layers)
-        if cache and not native.switched_off():  # a run with the native code switched off keeps its choice to itself
+        if report is not None:
+            report(f"timing {len(KERNELS)} linear kernels for {name}'s {len(shapes)} weight shapes at {len(ROWS)} "
+                   "row counts on this machine (once per model and machine)")
+        choice = _measure(layers, progress)
+        kept = cache and not native.switched_off()  # a run with the native code switched off keeps its choice
+        if kept:
             _write_cache(path, choice)
+        if report is not None:
+            report(f"linear kernels measured in {choice.measured_s:.0f} s" + (f", kept in {path}" if kept else ""))
     packed = {shape for shape in shapes if choice.uses(shape, "packed")}
     panels = {shape for shape in shapes if any(choice.uses(shape, k) for k in BLOCKED_KINDS)}
     for layer in layers:  # keep the packed copies only where they are used
@@ -391,12 +406,12 @@ def _fits_here(choice: KernelChoice, shapes: set[Shape]) -> bool:
                                             for table in choice.timings_ms.values() for t in table.values()))
 
 
-def _measure(layers: list[TunedLinear]) -> KernelChoice:
+def _measure(layers: list[TunedLinear], progress: Optional[Progress] = None) -> KernelChoice:
     start = time.perf_counter()
     for layer in layers:
         layer.pack()
         layer.pack_panels()
-    choice = KernelChoice(timings_ms=measure_layers(layers))
+    choice = KernelChoice(timings_ms=measure_layers(layers, progress=progress))
     choice.kernel = {shape: {r: fastest(t, r) for r, t in table.items()} for shape, table in choice.timings_ms.items()}
     choice.measured_s = time.perf_counter() - start
     return choice

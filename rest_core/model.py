@@ -13,6 +13,7 @@ import inspect
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -326,9 +327,17 @@ def load_network(source: str, dtype: torch.dtype, trust_remote_code: bool = Fals
         return _from_pretrained(AutoModelForCausalLM, source, attn_implementation="sdpa", **kwargs)
 
 
+def say_on_stderr(message: str) -> None:
+    """How a load tells what it is doing when that takes a while (the first load on a machine times the kernels)."""
+    print(f"REST Lab: {message}", file=sys.stderr, flush=True)
+
+
 def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None,
-               trust_remote_code: bool = False) -> LoadedModel:
-    """Load model and tokenizer, ready for decoding (eval mode, no grad needed)."""
+               trust_remote_code: bool = False, report: Optional[Callable[[str], None]] = say_on_stderr,
+               progress: Optional[Callable[[int, int], None]] = None) -> LoadedModel:
+    """Load model and tokenizer, ready for decoding (eval mode, no grad needed).  On a CPU in float32 the linear
+    and attention kernels are chosen for this machine: read from the cache, or timed once per model and machine
+    (`report` says so before and after, `progress` counts the steps; `python -m rest_core tune` does it alone)."""
     dev = pick_device(device)
     torch_dtype = pick_dtype(dev, dtype)
     if dev.type == "cpu" and torch_dtype != torch.float32:
@@ -342,9 +351,11 @@ def load_model(model: Optional[str] = None, device: Optional[str] = None, dtype:
     except Exception as err:  # every failure becomes one clear message
         raise _friendly(name, source, err) from err
     net.to(dev).eval()
-    kernels = tune_linears(net, name)  # CPU float32 only: the faster linear kernel per row count, measured here
+    # CPU float32 only: the faster linear kernel per row count, measured here
+    kernels = tune_linears(net, name, report=report, progress=progress)
     # and the faster attention kernel per row count, where the model attends through REST's attention function
-    attn = tune_attention(net) if getattr(net.config, "_attn_implementation", None) == ATTENTION else None
+    attn = (tune_attention(net, report=report, progress=progress)
+            if getattr(net.config, "_attn_implementation", None) == ATTENTION else None)
     return LoadedModel(model=net, tokenizer=tokenizer, name=name, source=source, device=dev, dtype=torch_dtype,
                        kernels=kernels, attention=attn)
 

@@ -52,11 +52,10 @@ def source_at(rev: str, folder: Path) -> Path:
 
 
 def load_build(source: Path) -> tuple[Callable, Callable]:
-    """The kernel functions of `source` (blocks read in place; tall blocks, the first again where that source
-    has none), compiled for this machine (cached like the kernel itself)."""
+    """The kernel functions of `source` (blocks read in place; tall blocks), compiled for this machine (cached
+    like the kernel itself); OSError for a source from before the kernels took buffer lengths."""
     lib = native.load_library(source, "blocked-linear")
-    short = lib.rest_lab_panel_linear
-    return short, (lib.rest_lab_panel_linear_tall if hasattr(lib, "rest_lab_tall_rows") else short)
+    return lib.rest_lab_panel_linear, lib.rest_lab_panel_linear_tall
 
 
 class _Timed:

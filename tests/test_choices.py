@@ -120,7 +120,8 @@ def test_rows_read_in_stretches_on_several_threads_give_one_pass_answer():
 
     def read(x, k, threads):
         out = np.empty((x.shape[0], k), dtype=np.int64)
-        failed = lib.rest_lab_row_top_k(x.data_ptr(), x.shape[0], x.shape[1], k, out.ctypes.data, threads)
+        failed = lib.rest_lab_row_top_k(x.data_ptr(), x.numel(), x.shape[0], x.shape[1], k, out.ctypes.data, out.size,
+                                        threads)
         return None if failed else out
 
     one = read(logits, 16, 1)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from datastores import HistoryStore, RecycleStore, assemble_stores
@@ -15,7 +16,7 @@ from rest_core.cost import GRID, CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
 from rest_core.model import ATTENTION, load_network
 
-from conftest import make_tiny_lm
+from conftest import REAL_CACHE, make_tiny_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +32,41 @@ def test_cli_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "rest_core", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0
-    for command in ("generate", "bench", "traces", "datastore"):
+    for command in ("generate", "bench", "traces", "datastore", "tune"):
         assert command in out.stdout
+
+
+@pytest.mark.slow
+def test_tune_measures_visibly_once_then_reads_what_it_kept(tmp_path):
+    """`python -m rest_core tune`: the first run says it times the kernels, with how long it took and where the
+    choice is kept, and prints the choice and the cost curve; the next run reads the choice back; --again times
+    it anew.  A model's load tells the same when it has to measure (load_model's `report`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    make_tiny_lm(vocab_size=300).model.save_pretrained(tmp_path / "m")
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "m")
+    env = {**os.environ, "REST_LAB_CACHE": str(tmp_path / "cache")}
+    if (REAL_CACHE / "native").is_dir():  # the compiled kernels are shared: only the choices are new here
+        (tmp_path / "cache").mkdir()
+        (tmp_path / "cache" / "native").symlink_to(REAL_CACHE / "native")
+
+    def tune(*extra):
+        out = subprocess.run([sys.executable, "-m", "rest_core", "tune", "--model", str(tmp_path / "m"), *extra],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out
+
+    first = tune()
+    assert "timing 5 linear kernels" in first.stderr and "linear kernels measured in" in first.stderr
+    assert "Linear kernels (measured now in" in first.stdout and "Forward-pass cost curve" in first.stdout
+    assert list((tmp_path / "cache" / "kernels").glob("*.json"))
+    second = tune()
+    assert "timing" not in second.stderr and "Linear kernels (read from" in second.stdout
+    again = tune("--again")
+    assert "timing 5 linear kernels" in again.stderr and "Linear kernels (measured now in" in again.stdout
 
 
 def test_loading_a_model_sets_no_process_wide_switch_and_keeps_the_numbers(tmp_path):

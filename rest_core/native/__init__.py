@@ -44,6 +44,7 @@ DRAFT_TREE_SOURCE = Path(__file__).with_name("draft_tree.cpp")
 RANK_TREE_SOURCE = Path(__file__).with_name("rank_tree.cpp")
 MAX_TOP_K = 64  # the largest k row_top_k.cpp takes
 PANEL = 16  # output columns per panel (the kernel's NB; checked against the library at load)
+LINEAR_ABI = 2  # the linear kernel's calling convention (every buffer's length passed), checked at load
 PROFILE_NAME = "rest_lab::blocked_linear"  # what a torch profile calls the kernel
 ATTENTION_PROFILE_NAME = "rest_lab::attention"
 
@@ -82,6 +83,10 @@ def load_library(source: Path, stem: str) -> ctypes.CDLL:
     and checked; OSError / SubprocessError when it cannot be built or is not one."""
     path = _built(source, stem, openmp=True)
     lib = ctypes.CDLL(str(path))
+    abi = lib.rest_lab_linear_abi() if hasattr(lib, "rest_lab_linear_abi") else 1
+    if abi != LINEAR_ABI:
+        raise OSError(f"{path.name} is built from a source with calling convention {abi}, not {LINEAR_ABI} "
+                      "(a source from before the kernels took buffer lengths)")
     _declare(lib)
     if lib.rest_lab_panel_width() != PANEL:
         raise OSError(f"{path.name} packs {lib.rest_lab_panel_width()} columns per panel, not {PANEL}")
@@ -115,21 +120,21 @@ def _optional_library(source: Path, stem: str, openmp: bool, declare) -> Optiona
 
 
 def _declare_top_k(lib: ctypes.CDLL) -> None:
-    lib.rest_lab_row_top_k.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                                       ctypes.c_int]
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rest_lab_row_top_k.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
     lib.rest_lab_row_top_k.restype = ctypes.c_int
 
 
 def _declare_attention(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rest_lab_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr,
+    lib.rest_lab_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64,
                                        i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.rest_lab_attention.restype = ctypes.c_int
 
 
 def _declare_cache_rows(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rest_lab_keep_rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, ptr, i64]
+    lib.rest_lab_keep_rows.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64]
     lib.rest_lab_keep_rows.restype = ctypes.c_int
 
 
@@ -154,14 +159,14 @@ def keep_rows(buffers: list[torch.Tensor], start: int, nodes: np.ndarray) -> boo
         return False
     b, h, capacity, d = shape
     pointers = (ctypes.c_void_p * len(buffers))(*[t.data_ptr() for t in buffers])
-    return not lib.rest_lab_keep_rows(pointers, len(buffers), b * h, capacity, d, first.element_size(),
-                                      start, nodes.ctypes.data, len(nodes))
+    return not lib.rest_lab_keep_rows(pointers, len(buffers), first.numel() * first.element_size(), b * h, capacity,
+                                      d, first.element_size(), start, nodes.ctypes.data, len(nodes))
 
 
 def _declare_draft_tree(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rest_lab_draft_tree.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_double,
-                                        ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+                                        ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64]
     lib.rest_lab_draft_tree.restype = i64
 
 
@@ -190,7 +195,7 @@ def draft_tree(rows: np.ndarray, src: np.ndarray, unit: np.ndarray, budget: int,
     score, share, support = (floats.ctypes.data + i * row for i in range(3))
     n = lib.rest_lab_draft_tree(rows.ctypes.data, rows.shape[0], rows.shape[1], src.ctypes.data, unit.ctypes.data,
                                 unit.size, budget, root, total, token, parent, depth, score, source, share, support,
-                                agree)
+                                agree, budget + 1)
     if n < 1:
         return None
     return ints[:, :n], floats[:, :n]
@@ -199,7 +204,7 @@ def draft_tree(rows: np.ndarray, src: np.ndarray, unit: np.ndarray, budget: int,
 def _declare_rank_tree(lib: ctypes.CDLL) -> None:
     ptr, i64, f64, flag = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
     lib.rest_lab_rank_tree.argtypes = [i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, flag, ptr, i64, flag,
-                                       ptr, i64, ptr, i64, i64, f64, f64, f64, ptr, ptr, i64, ptr, ptr, ptr]
+                                       ptr, i64, ptr, i64, i64, f64, f64, f64, ptr, ptr, i64, ptr, ptr, ptr, i64]
     lib.rest_lab_rank_tree.restype = ctypes.c_int
 
 
@@ -250,7 +255,7 @@ def rank_tree(parents: np.ndarray, depths: np.ndarray, shares: np.ndarray, suppo
                               support_edges.size, depth_cells, prior_scaled, prior_weight, max_chance,
                               address(budgets) if with_budget else None,
                               budget_ms.ctypes.data if with_budget else None, budgets.size if with_budget else 0,
-                              at, at + 8 * n, at + 16 * n):
+                              at, at + 8 * n, at + 16 * n, n):
         return None
     return out[:n], out[n:2 * n].view(np.float64), int(out[2 * n]) if with_budget else -1
 
@@ -275,7 +280,8 @@ def row_top_k(x: torch.Tensor, k: int) -> Optional[np.ndarray]:
         return None
     x = x.contiguous()
     out = np.empty((x.shape[0], k), dtype=np.int64)
-    if lib.rest_lab_row_top_k(x.data_ptr(), x.shape[0], x.shape[1], k, out.ctypes.data, torch.get_num_threads()):
+    if lib.rest_lab_row_top_k(x.data_ptr(), x.numel(), x.shape[0], x.shape[1], k, out.ctypes.data, out.size,
+                              torch.get_num_threads()):
         return None
     return out
 
@@ -313,7 +319,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     out = torch.empty((b, q, h, d), dtype=torch.float32)
     args = (query.data_ptr(), _Strides3(*query.stride()[:3]), key.data_ptr(), _Strides3(*key.stride()[:3]),
             value.data_ptr(), _Strides3(*value.stride()[:3]), mask_ptr, mask_strides, kind, out.data_ptr(),
-            b, h, kvh, q, t, d, scale, torch.get_num_threads())
+            out.numel(), b, h, kvh, q, t, d, scale, torch.get_num_threads())
     if torch.autograd._profiler_enabled():  # named in a torch profile like any operator
         with torch.profiler.record_function(ATTENTION_PROFILE_NAME):
             refused = lib.rest_lab_attention(*args)
@@ -324,19 +330,17 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.rest_lab_pack_panels.argtypes = [ptr, ptr, i64, i64, cint]
-    lib.rest_lab_pack_panels.restype = None
-    lib.rest_lab_panel_linear.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, cint]
-    lib.rest_lab_panel_linear.restype = None
+    lib.rest_lab_pack_panels.argtypes = [ptr, i64, ptr, i64, i64, i64, cint]
+    lib.rest_lab_pack_panels.restype = cint
+    for name in ("rest_lab_panel_linear", "rest_lab_panel_linear_tall"):
+        getattr(lib, name).argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, cint]
+        getattr(lib, name).restype = cint
     lib.rest_lab_panel_width.argtypes = []
     lib.rest_lab_panel_width.restype = cint
     lib.rest_lab_register_rows.argtypes = []
     lib.rest_lab_register_rows.restype = cint
-    if hasattr(lib, "rest_lab_tall_rows"):  # builds of older sources (compared by scripts/kernel_ab.py) have one
-        lib.rest_lab_panel_linear_tall.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, cint]
-        lib.rest_lab_panel_linear_tall.restype = None
-        lib.rest_lab_tall_rows.argtypes = []
-        lib.rest_lab_tall_rows.restype = cint
+    lib.rest_lab_tall_rows.argtypes = []
+    lib.rest_lab_tall_rows.restype = cint
 
 
 def register_rows() -> Optional[int]:
@@ -378,12 +382,18 @@ def pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tens
     if lib is None:
         raise RuntimeError(f"the blocked linear kernel is not available: {_why}")
     w = weight.detach().contiguous()
+    if w.dtype != torch.float32 or w.dim() != 2 or not w.is_cpu:
+        raise ValueError(f"the blocked linear kernel packs a 2-D float32 CPU weight, not {tuple(w.shape)} {w.dtype}")
     n, k = w.shape
     count = -(-n // PANEL)
     panels = torch.empty(count, k, PANEL, dtype=torch.float32)
-    lib.rest_lab_pack_panels(w.data_ptr(), panels.data_ptr(), k, n, torch.get_num_threads())
+    if lib.rest_lab_pack_panels(w.data_ptr(), w.numel(), panels.data_ptr(), panels.numel(), k, n,
+                                torch.get_num_threads()):
+        raise ValueError(f"the blocked linear kernel refused to pack a {n} x {k} weight")
     padded = torch.zeros(count * PANEL, dtype=torch.float32)
     if bias is not None:
+        if bias.numel() != n:
+            raise ValueError(f"a bias of {bias.numel()} values for a weight of {n} rows")
         padded[:n] = bias.detach()
     return panels, padded
 
@@ -391,23 +401,30 @@ def pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tens
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor, out_features: int,
            tall: bool = False) -> torch.Tensor:
     """x (..., K) float32 on the CPU -> (..., out_features), from `pack`'s panels and padded bias, in blocks of
-    `register_rows()` rows read in place or (tall) of `tall_rows()` rows read transposed.  Called for every
-    linear layer of every pass: no more Python work than it takes."""
+    `register_rows()` rows read in place or (tall) of `tall_rows()` rows read transposed.  An input of another
+    dtype or width is refused (TypeError / ValueError), and the kernel itself checks every buffer's length
+    against the shapes it is given.  Called for every linear layer of every pass: no more Python work than it
+    takes."""
     if x.dtype != torch.float32:  # the kernel reads raw float32 memory: anything else would be misread
         raise TypeError(f"the blocked linear kernel takes float32 input, not {x.dtype}: convert it, or use "
                         f"REST_LAB_KERNELS=default")
+    k = panels.shape[1]
+    if x.shape[-1] != k:
+        raise ValueError(f"the blocked linear kernel multiplies rows of {k} values, not {x.shape[-1]}")
     if not x.is_contiguous():
         x = x.contiguous()
-    k = panels.shape[1]
     out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
-    args = (x.data_ptr(), panels.data_ptr(), bias.data_ptr(), out.data_ptr(), x.numel() // k, k, out_features,
-            torch.get_num_threads())
+    args = (x.data_ptr(), x.numel(), panels.data_ptr(), panels.numel(), bias.data_ptr(), bias.numel(), out.data_ptr(),
+            out.numel(), x.numel() // k if k else 0, k, out_features, torch.get_num_threads())
     kernel = _kernel_tall if tall else _kernel
     if torch.autograd._profiler_enabled():  # named in a torch profile like any operator
         with torch.profiler.record_function(PROFILE_NAME):
-            kernel(*args)
+            refused = kernel(*args)
     else:
-        kernel(*args)
+        refused = kernel(*args)
+    if refused:
+        raise ValueError(f"the blocked linear kernel refused buffers of {x.numel()}, {panels.numel()}, {bias.numel()} "
+                         f"and {out.numel()} floats for {tuple(x.shape)} x ({out_features}, {k})")
     return out
 
 

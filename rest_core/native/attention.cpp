@@ -230,13 +230,15 @@ void stretch(const Args& a, int64_t b, int64_t g, int64_t t0, int64_t t1, float*
 
 extern "C" {
 
-// Returns 0, or 1 when the shapes are outside what the kernel takes (the caller then uses another kernel).
+// Returns 0, or 1 when the shapes are outside what the kernel takes or out (out_len floats) cannot hold
+// B x Q x H x D (nothing is written then; the caller uses another kernel).
 // Strides in floats (bool masks: in elements): q (b, h, q), k and v (b, h, t), mask (b, q; b = 0 when shared).
 int rest_lab_attention(const float* q, const int64_t* q_strides, const float* k, const int64_t* k_strides,
                        const float* v, const int64_t* v_strides, const void* mask, const int64_t* m_strides,
-                       int kind, float* out, int64_t B, int64_t H, int64_t KVH, int64_t Q, int64_t T, int64_t D,
-                       float scale, int threads) {
+                       int kind, float* out, int64_t out_len, int64_t B, int64_t H, int64_t KVH, int64_t Q,
+                       int64_t T, int64_t D, float scale, int threads) {
   if (!head_size_taken(D) || KVH <= 0 || H % KVH || T <= 0 || Q <= 0 || B <= 0 || kind < 0 || kind > 2) return 1;
+  if (out_len < B * Q * H * D) return 1;
   if (threads < 1) threads = 1;
   std::vector<uint8_t> marked(kind ? (std::size_t)(B * T) : 0, 0);
   for (int64_t b = 0; kind && b < B; ++b) {

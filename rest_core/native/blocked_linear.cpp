@@ -129,9 +129,12 @@ void linear(const float* x, const float* panels, const float* bias, float* out, 
 
 extern "C" {
 
-// Panels of W (N x K, row-major, float32) into `panels` (ceil(N / 16) x K x 16 floats, zero-padded).
-void rest_lab_pack_panels(const float* w, float* panels, int64_t K, int64_t N, int threads) {
+// Panels of W (N x K, row-major, float32) into `panels` (ceil(N / 16) x K x 16 floats, zero-padded).  The
+// lengths are the buffers' sizes in floats; returns 1, with nothing written, when either is too small.
+int rest_lab_pack_panels(const float* w, int64_t w_len, float* panels, int64_t panels_len, int64_t K, int64_t N,
+                         int threads) {
   const int64_t count = (N + NB - 1) / NB;
+  if (K < 0 || N < 0 || w_len < N * K || panels_len < count * K * NB) return 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < count; ++b) {
     float* p = panels + b * K * NB;
@@ -140,23 +143,42 @@ void rest_lab_pack_panels(const float* w, float* panels, int64_t K, int64_t N, i
       for (int64_t k = 0; k < K; ++k) p[k * NB + c] = n < N ? w[n * K + k] : 0.0f;
     }
   }
+  return 0;
+}
+
+// Whether the buffers hold what an M x K by packed (N x K) product reads and writes (lengths in floats).
+static bool fits(int64_t x_len, int64_t panels_len, int64_t bias_len, int64_t out_len, int64_t M, int64_t K,
+                 int64_t N) {
+  const int64_t padded = (N + NB - 1) / NB * NB;
+  return M >= 0 && K >= 0 && N >= 0 && x_len >= M * K && panels_len >= padded * K && bias_len >= padded &&
+         out_len >= M * N;
 }
 
 // out (M x N) = x (M x K) times the packed W, plus bias (ceil(N / 16) * 16 floats, zero-padded: never null):
-// blocks of up to SHORT rows, x read in place.
-void rest_lab_panel_linear(const float* x, const float* panels, const float* bias, float* out, int64_t M, int64_t K,
-                           int64_t N, int threads) {
+// blocks of up to SHORT rows, x read in place.  The lengths are the buffers' sizes in floats; returns 1, with
+// nothing read or written, when one is too small for M, K and N, else 0.
+int rest_lab_panel_linear(const float* x, int64_t x_len, const float* panels, int64_t panels_len, const float* bias,
+                          int64_t bias_len, float* out, int64_t out_len, int64_t M, int64_t K, int64_t N,
+                          int threads) {
+  if (!fits(x_len, panels_len, bias_len, out_len, M, K, N)) return 1;
   linear<SHORT>(x, panels, bias, out, M, K, N, threads);
+  return 0;
 }
 
 // The same product in blocks of TALL rows read from a transposed copy of x; where this build has no tall
 // blocks (rest_lab_tall_rows() == 0) the same as rest_lab_panel_linear.
-void rest_lab_panel_linear_tall(const float* x, const float* panels, const float* bias, float* out, int64_t M,
-                                int64_t K, int64_t N, int threads) {
+int rest_lab_panel_linear_tall(const float* x, int64_t x_len, const float* panels, int64_t panels_len,
+                               const float* bias, int64_t bias_len, float* out, int64_t out_len, int64_t M, int64_t K,
+                               int64_t N, int threads) {
+  if (!fits(x_len, panels_len, bias_len, out_len, M, K, N)) return 1;
   linear<(TALL > SHORT ? TALL : SHORT)>(x, panels, bias, out, M, K, N, threads);
+  return 0;
 }
 
 int rest_lab_panel_width(void) { return (int)NB; }
+
+// The calling convention of the entry points above: 2 since they take every buffer's length.
+int rest_lab_linear_abi(void) { return 2; }
 
 // Rows of sums the micro-kernel holds in registers on the machine this library was built for: per block read
 // in place, and per tall block (0: none).

@@ -35,15 +35,15 @@ extern "C" {
 
 // rows (k, L) int64 token ids, -1 after a row's end; src (k,) each row's source index in 0..S-1; unit (S,) the
 // weight of one row per source; total the whole weight (the root's score).  Writes the root and up to budget
-// nodes into the out arrays (each of room budget + 1): token, parent (-1 at the root), depth, score, source
+// nodes into the out arrays (each of room out_room >= budget + 1): token, parent (-1 at the root), depth, score, source
 // index (-1 at the root), share of the dominant source's weight, rows of the dominant source, and how many
 // sources have rows through the node (0 at the root).  Returns the number of nodes written (1 + kept), or a
 // negative number when the input is not of that kind.
 int64_t rest_lab_draft_tree(const int64_t* rows, int64_t k, int64_t L, const int64_t* src, const double* unit,
                             int64_t S, int64_t budget, int64_t root, double total, int64_t* out_token,
                             int64_t* out_parent, int64_t* out_depth, double* out_score, int64_t* out_source,
-                            double* out_share, double* out_support, int64_t* out_agree) {
-    if (k < 0 || L < 1 || S < 1 || budget < 0 || k > INT32_MAX || L > INT32_MAX) return -1;
+                            double* out_share, double* out_support, int64_t* out_agree, int64_t out_room) {
+    if (k < 0 || L < 1 || S < 1 || budget < 0 || k > INT32_MAX || L > INT32_MAX || out_room < budget + 1) return -1;
     for (int64_t i = 0; i < k; ++i)
         if (src[i] < 0 || src[i] >= S) return -2;
     out_token[0] = root;

@@ -35,7 +35,7 @@ extern "C" {
 // With n_budgets > 0 also the best draft size (`CostModel._best_budget`): of the candidate sizes budgets
 // (n_budgets,) increasing, those <= n, the first with the most tokens per ms, (1 + the chances of its top
 // nodes summed in order) / budget_ms (the pass's time for each size plus the root), into *best_budget.
-// Returns 0, or -1 for input it does not take.
+// order and chance each have room for out_room values.  Returns 0, or -1 for input it does not take.
 int rest_lab_rank_tree(int64_t n, const int64_t* parents, const int64_t* depths, const double* shares_all,
                        const double* support, const int64_t* source_all, const int64_t* agree_all,
                        const double* const* counts, int64_t n_sources, const double* factor, int apply_request,
@@ -43,8 +43,8 @@ int rest_lab_rank_tree(int64_t n, const int64_t* parents, const int64_t* depths,
                        int64_t n_bins, const double* support_edges, int64_t n_support, int64_t depth_cells,
                        double prior_scaled, double prior_weight, double max_chance, const int64_t* budgets,
                        const double* budget_ms, int64_t n_budgets, int64_t* order, double* chance,
-                       int64_t* best_budget) {
-    if (n < 0 || n_bins < 2 || n_support < 1 || depth_cells < 1 || levels < 1) return -1;
+                       int64_t* best_budget, int64_t out_room) {
+    if (n < 0 || n_bins < 2 || n_support < 1 || depth_cells < 1 || levels < 1 || out_room < n) return -1;
     const int64_t ratio_bins = n_bins - 1;
     const int64_t cells = depth_cells * n_support * ratio_bins;
     std::vector<double> path(n);

@@ -101,10 +101,12 @@ constexpr int64_t MIN_STRETCH = 4096;  // values per stretch at least: shorter r
 extern "C" {
 
 // out (rows x k, int64) = each row's k largest ids of x (rows x V, float32, row-major); 1 <= k <= min(V, 64);
-// up to `threads` stretches per row, read in parallel.  Returns 1 when some row holds a NaN (out is then
-// incomplete), else 0.
-int rest_lab_row_top_k(const float* x, int64_t rows, int64_t V, int k, int64_t* out, int threads) {
-  if (k < 1 || k > MAX_K || k > V) return 1;
+// up to `threads` stretches per row, read in parallel.  x_len and out_len are the buffers' sizes in elements.
+// Returns 2, with nothing read or written, when a buffer is too small or k is out of range; 1 when some row
+// holds a NaN (out is then incomplete); else 0.
+int rest_lab_row_top_k(const float* x, int64_t x_len, int64_t rows, int64_t V, int k, int64_t* out, int64_t out_len,
+                       int threads) {
+  if (k < 1 || k > MAX_K || k > V || rows < 0 || x_len < rows * V || out_len < rows * k) return 2;
   int64_t parts = threads > 1 ? threads : 1;
   while (parts > 1 && V / parts < (MIN_STRETCH > k ? MIN_STRETCH : k)) --parts;
   const int64_t per = (V + parts - 1) / parts;  // stretch p: [p * per, min(V, (p + 1) * per)), each >= k long
