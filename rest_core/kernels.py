@@ -366,7 +366,7 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True, report: Option
         if report is not None:
             report(f"timing {len(KERNELS)} linear kernels for {name}'s {len(shapes)} weight shapes at {len(ROWS)} "
                    "row counts on this machine (once per model and machine)")
-        choice = _measure(layers, progress)
+        choice = _measure(layers, progress=progress)
         kept = cache and not native.switched_off()  # a run with the native code switched off keeps its choice
         if kept:
             _write_cache(path, choice)

@@ -212,7 +212,7 @@ def test_the_choice_follows_the_measured_times_per_row_count():
 def test_calibration_is_kept_per_machine_key_and_measured_again_on_a_new_one(monkeypatch, tmp_path):
     measured = []
     real = kernels._measure
-    monkeypatch.setattr(kernels, "_measure", lambda layers: measured.append(1) or real(layers))
+    monkeypatch.setattr(kernels, "_measure", lambda layers, progress=None: measured.append(1) or real(layers))
     monkeypatch.setattr(kernels, "machine_key", lambda: "machine-a")
     first = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     again = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
@@ -378,7 +378,7 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     kernels._write_cache(kernels._cache_path("tiny-random"), choice)
     measured = []
     real = kernels._measure
-    monkeypatch.setattr(kernels, "_measure", lambda layers: measured.append(1) or real(layers))
+    monkeypatch.setattr(kernels, "_measure", lambda layers, progress=None: measured.append(1) or real(layers))
     again = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     assert not measured and all(again.plan_of(shape)[1:] == ("blocked",) * MAX_ROWS for shape in again.kernel)
     assert all(layer.panels is not None and layer.packed is None for layer in again.layers)
