@@ -4,7 +4,7 @@
   (the longest context suffix found and the tokens that followed); `StoreBase` gives
   the no-op request lifecycle (``begin`` / ``extend`` / ``end``).
 * `TokenDatastore` -- the static on-disk store (token stream + reversed suffix array),
-  built once from a corpus by `build_datastore` / ``python -m datastores build``.
+  built once from a corpus by `build_datastore` / ``python -m rest_core datastore build``.
 * `RequestStore` -- the current request (prompt + answer so far).
 * `HistoryStore` -- past answers, optionally persisted.
 * `RecycleStore` -- the model's own predictions (source "model"): each token's top-k

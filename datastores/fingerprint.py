@@ -39,4 +39,4 @@ def check_tokenizer(meta: dict, tokenizer: Any, path: Path) -> None:
             f"(fingerprint {str(built.get('fingerprint'))[:12]}), "
             f"not with the given {getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r} "
             f"(fingerprint {fp[:12]}); token ids would not mean the same words. Rebuild it for this tokenizer "
-            f"with `python -m datastores build {path} --tokenizer NAME_OR_PATH ...`")
+            f"with `python -m rest_core datastore build {path} --tokenizer NAME_OR_PATH ...`")

@@ -77,7 +77,7 @@ REQUIRED_META = {"format": str, "format_version": int, "tokenizer": dict, "sourc
 
 
 def rebuild_hint(path: Path | str) -> str:
-    return f"rebuild it with `python -m datastores build {path} ...`"
+    return f"rebuild it with `python -m rest_core datastore build {path} ...`"
 
 
 def index_dtype(n_tokens: int) -> tuple[str, str]:
@@ -116,10 +116,10 @@ def _read_meta(path: Path) -> dict:
     """meta.json parsed and checked for completeness, else a DatastoreError saying why."""
     if not path.exists():
         raise DatastoreError(f"no datastore at {path}: the directory does not exist; "
-                             f"build one with `python -m datastores build {path} ...`")
+                             f"build one with `python -m rest_core datastore build {path} ...`")
     if not path.is_dir():
         raise DatastoreError(f"{path} is a file, not a datastore directory; "
-                             f"pass the directory that `python -m datastores build` created")
+                             f"pass the directory that `python -m rest_core datastore build` created")
     meta_path = path / META_NAME
     if not meta_path.exists():
         raise DatastoreError(f"{path} is not a complete datastore: {META_NAME} is missing "
@@ -329,7 +329,7 @@ class TokenDatastore(StoreBase):
                 raise DatastoreError(f"{fpath} fails its full checksum (corrupt); {rebuild_hint(self.path)}")
 
     def describe(self) -> str:
-        """Multi-line human summary (what `python -m datastores info` prints)."""
+        """Multi-line human summary (what `python -m rest_core datastore info` prints)."""
         m, b = self.meta, self.meta["build"]
         tok = m["tokenizer"]
         sizes = {k: v["size"] for k, v in m["files"].items()}

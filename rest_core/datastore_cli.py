@@ -1,14 +1,14 @@
 """Command line for token datastores: build a store, describe/verify one, time its lookups.
 
-The same commands answer as ``python -m rest_core datastore ...`` and ``python -m datastores ...``;
-they live here, above the datastores library, because ``--tokenizer default`` means the
-default model's tokenizer (rest_core.model).
+They answer as ``python -m rest_core datastore ...`` (``rest-lab datastore ...``) and live here, above the
+datastores library, because ``--tokenizer default`` means the default model's tokenizer (rest_core.model):
+the library itself never imports rest_core.
 
-    python -m datastores build OUT [--python-stdlib] [--site-packages] [--files PATH ...]
+    python -m rest_core datastore build OUT [--python-stdlib] [--site-packages] [--files PATH ...]
                                    [--suffix .py ...] [--jsonl FILE ... --field text]
                                    [--tokenizer default|FOLDER|HUB_ID] [--max-tokens N] [--force] [--resume]
-    python -m datastores info PATH [--verify]
-    python -m datastores bench STORE [--heldout PATH ...] [--tokenizer ...] [--contexts 2000]
+    python -m rest_core datastore info PATH [--verify]
+    python -m rest_core datastore bench STORE [--heldout PATH ...] [--tokenizer ...] [--contexts 2000]
 
 Every expected failure is a DatastoreError printed as one ``error:`` line (exit 2).
 """
@@ -158,6 +158,7 @@ def run_datastore(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m datastores build|info|bench ...`"""
-    p = argparse.ArgumentParser(prog="python -m datastores", description="Build and inspect REST token datastores.")
+    """`python -m rest_core datastore build|info|bench ...`"""
+    p = argparse.ArgumentParser(prog="python -m rest_core datastore", description="Build and inspect REST token "
+                                                                                  "datastores.")
     return run_datastore(_add_commands(p).parse_args(argv))

@@ -530,7 +530,7 @@ def built(tmp_path):
 def test_open_refuses_other_tokenizer(built):
     path, tok = built
     TokenDatastore.open(path, tokenizer=tok)
-    with pytest.raises(DatastoreError, match="built with tokenizer.*python -m datastores build"):
+    with pytest.raises(DatastoreError, match="built with tokenizer.*python -m rest_core datastore build"):
         TokenDatastore.open(path, tokenizer=word_tokenizer("def return other words"))
 
 
@@ -582,7 +582,7 @@ def test_verify_catches_what_sampling_misses(tmp_path):
 
 
 def test_open_missing_directory(tmp_path):
-    with pytest.raises(DatastoreError, match="does not exist.*python -m datastores build"):
+    with pytest.raises(DatastoreError, match="does not exist.*python -m rest_core datastore build"):
         TokenDatastore.open(tmp_path / "nowhere")
 
 
