@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from rest_core.cost import monotone_fit
 from rest_core.serving.load import BATCHES, DRAFTS, StepCost, save_curve
 
 MAX_TOKENS = 10  # tokens per request in a measurement: the first is the prefill's, the rest are timed steps
@@ -93,7 +94,10 @@ def calibrate(model: str, rounds: int = 2, **engine: Any) -> tuple[str, StepCost
                     best[i, j] = min(best[i, j], measure(llm, batch, k, log, rng))
         key = json.loads(log.read_text().splitlines()[0])["key"]
         llm.llm_engine.engine_core.shutdown()
-    ms = np.maximum.accumulate(np.maximum.accumulate(best, axis=1), axis=0)  # more work never costs less
+    # more work never costs less: the closest table that rises along both axes (one noisy cell is averaged with its
+    # neighbours instead of lifting every cell after it)
+    ms = np.array([monotone_fit(row) for row in best])
+    ms = np.array([monotone_fit(col) for col in ms.T]).T
     cost = StepCost(BATCHES, DRAFTS, tuple(tuple(round(float(x), 3) for x in row) for row in ms))
     path = save_curve(key, cost, {"model": model, "engine": engine, "measured_ms": best.round(3).tolist()})
     print(f"step cost saved to {path}")

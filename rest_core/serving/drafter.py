@@ -35,6 +35,7 @@ from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
 TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best chain is taken
 ENDED_KEPT = 4096  # ids of recently ended requests remembered, so a preempted one's output joins the history once
 LOOKUP_WEIGHT = 0.1  # weight of the newest request's lookup time in the running mean
+LEARNED = 64  # drafts a source must have had tested before the cost model's chances alone value its chains
 
 
 @dataclass
@@ -63,6 +64,12 @@ def best_chain(tree: DraftTree, chooser: CostModel, limit: int) -> tuple[DraftTr
         nodes.append(node)
         chances.append(float(by_node[node]))
     return keep_nodes(tree, np.array(nodes, dtype=np.int64)), chances
+
+
+def _tested(chooser: CostModel, source: str) -> float:
+    """How many of a source's drafts the cost model has seen put to the test."""
+    counts = chooser.counts.get(source)
+    return 0.0 if counts is None else float(counts[0].sum())
 
 
 class RestDrafter:
@@ -178,7 +185,12 @@ class RestDrafter:
         tree = build_draft_tree(context[-1], lookups, TREE_NODES)
         chooser = self.choosers[state.kind]
         chooser.use_request(state.corrections)
-        return best_chain(tree, chooser, room)
+        chain, chances = best_chain(tree, chooser, room)
+        if chances and any(_tested(chooser, name) < LEARNED for name in set(chain.sources[1:])):
+            # a source the cost model knows little of: its prior is shy by design, and a chain that is never
+            # drafted never teaches it; value the chain as recent drafts fared until its counts speak
+            chances = [max(c, p) for c, p in zip(chances, self.profile.chain(len(chances)))]
+        return chain, chances
 
     def save_stats(self) -> None:
         """Keep what the choosers learned for the next run (the decoder's acceptance files)."""

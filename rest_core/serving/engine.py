@@ -7,6 +7,7 @@ among its callers when it is built and reads the ids from it at every step.
 """
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from typing import Any, Optional
@@ -35,7 +36,8 @@ def running_request_ids(runner: Any, rows: int) -> list[str]:
 
 
 def engine_key(vllm_config: Any) -> str:
-    """Names the step-cost table: the model, device, dtype, parallelism, vLLM's version and this machine."""
+    """Names the step-cost table: the model, device, dtype, parallelism, vLLM's version, whether Intel's OpenMP is
+    preloaded (it changes a CPU step's cost) and this machine."""
     import vllm
 
     from rest_core.serving.config import rest_lab_model_name
@@ -45,4 +47,4 @@ def engine_key(vllm_config: Any) -> str:
     device = getattr(vllm_config.device_config, "device_type", "cpu")
     return (f"{rest_lab_model_name(model.model)}-{device}-{str(model.dtype).split('.')[-1]}"
             f"-tp{parallel.tensor_parallel_size}-pp{parallel.pipeline_parallel_size}-vllm{vllm.__version__}"
-            f"-{machine_key()}")
+            f"{'-iomp' if 'libiomp5' in os.environ.get('LD_PRELOAD', '') else ''}-{machine_key()}")
