@@ -4,15 +4,19 @@
 #   scripts/setup.sh --dev    also the test tools and Debian's Chromium for the browser tests
 #   scripts/setup.sh --vllm   also .venv-vllm: vLLM (CPU wheels, or CUDA ones where nvidia-smi works) with this
 #                             checkout on its path, for the vLLM proposer, `rest-lab serve` and the vLLM benchmark
+#   scripts/setup.sh --suffix also arctic-inference in .venv-vllm (vLLM's `suffix` drafting, for the benchmark; its
+#                             source build takes several minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dev=0
 vllm=0
+suffix=()
 for arg in "$@"; do
   case "$arg" in
     --dev) dev=1 ;;
     --vllm) vllm=1 ;;
-    *) echo "setup.sh: unknown option $arg (use --dev and/or --vllm)" >&2; exit 2 ;;
+    --suffix) vllm=1; suffix=(--suffix) ;;
+    *) echo "setup.sh: unknown option $arg (use --dev, --vllm, --suffix)" >&2; exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}
@@ -53,5 +57,5 @@ if [ $dev = 1 ]; then
 fi
 
 if [ $vllm = 1 ]; then
-  scripts/setup_vllm.sh
+  scripts/setup_vllm.sh "${suffix[@]}"
 fi

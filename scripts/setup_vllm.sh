@@ -31,6 +31,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   site=$(.venv-vllm/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   echo "$(pwd)" > "$site/rest_lab_checkout.pth"
-  .venv-vllm/bin/python -c "import vllm, datastores, rest_core.tree" >/dev/null
+  .venv-vllm/bin/python -c "import vllm, rest_core.vllm" >/dev/null
   echo "$want" > "$stamp"
+fi
+if [ "${1:-}" = "--suffix" ] && ! .venv-vllm/bin/python -c "import arctic_inference" 2>/dev/null; then
+  echo "Building arctic-inference (vLLM's suffix drafting) into .venv-vllm (several minutes, once)..."
+  "${pip[@]}" install -q "arctic-inference==0.3.0"
 fi

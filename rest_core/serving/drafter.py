@@ -33,6 +33,7 @@ from rest_core.serving.load import AcceptanceProfile, StepCost, plan_drafts, wor
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
 
 TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best chain is taken
+SAVE_EVERY = 32  # ended requests between two saves of the learned acceptance counts
 ENDED_KEPT = 4096  # ids of recently ended requests remembered, so a preempted one's output joins the history once
 LOOKUP_WEIGHT = 0.1  # weight of the newest request's lookup time in the running mean
 LEARNED = 64  # drafts a source must have had tested before the cost model's chances alone value its chains
@@ -91,6 +92,7 @@ class RestDrafter:
         self.settings = settings or RetrieveSettings(continuation_len=max(1, min(max_drafts, 24)))
         self.requests: dict[str, RequestState] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
+        self._left = 0  # requests that left the batch so far
         self.profile = AcceptanceProfile(depth=max(1, max_drafts))
         self.lookup_ms = 1.0  # running mean of one request's lookups + tree + chain
         self.stats = {"steps": 0, "drafting_steps": 0, "drafted": 0, "accepted": 0}
@@ -107,6 +109,9 @@ class RestDrafter:
             self._ended[rid] = None
             while len(self._ended) > ENDED_KEPT:
                 self._ended.popitem(last=False)
+            self._left += 1
+            if self._left % SAVE_EVERY == 0:
+                self.save_stats()
 
     def _kind(self, tokens: np.ndarray) -> str:
         head = tokens[:8].tolist()
