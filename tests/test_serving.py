@@ -142,3 +142,42 @@ def test_chat_requests_are_told_apart_by_the_template_s_marker(tmp_path):
     drafter = make_drafter(tmp_path)
     drafter.step(["c", "t"], [[6], [6]], [4, 4], rows([1, 4, 5, 6], [3, 4, 5, 6]))
     assert drafter.requests["c"].kind == "chat" and drafter.requests["t"].kind == "text"
+
+
+def test_every_vllm_run_gets_a_kv_cache_limit_and_intel_openmp(tmp_path, monkeypatch):
+    from rest_core.serving.launch import vllm_env
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    python = tmp_path / "venv" / "bin" / "python"
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    env = vllm_env(python)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and "LD_PRELOAD" not in env  # no runtime there: nothing preloaded
+    (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
+    assert vllm_env(python)["LD_PRELOAD"].endswith("libiomp5.so")
+    monkeypatch.setenv("REST_LAB_IOMP", "0")
+    assert "LD_PRELOAD" not in vllm_env(python)
+
+
+def test_vllm_commands_without_the_vllm_environment_say_how_to_make_it(tmp_path, monkeypatch, capsys):
+    from rest_core.cli import main
+
+    monkeypatch.setenv("REST_LAB_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
+    assert main(["calibrate-vllm"]) == 2
+    assert "scripts/setup.sh --vllm" in capsys.readouterr().err
+    assert main(["serve", "--drafts", "0"]) == 2
+    assert "--drafts must be at least 1" in capsys.readouterr().err
+
+
+def test_a_missing_step_cost_is_an_error_that_names_the_command(tmp_path, monkeypatch):
+    from datastores import DatastoreError
+    from rest_core.serving.config import step_cost
+
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("REST_LAB_STEP_COST", raising=False)
+    with pytest.raises(DatastoreError, match="rest-lab calibrate-vllm"):
+        step_cost("some-model-cpu-key")
+    (tmp_path / "bad.json").write_text("{}")
+    monkeypatch.setenv("REST_LAB_STEP_COST", str(tmp_path / "bad.json"))
+    with pytest.raises(DatastoreError, match="not a step-cost file"):
+        step_cost("some-model-cpu-key")
