@@ -68,7 +68,7 @@ def _get(url: str, data: bytes | None = None) -> bytes:
 def test_the_server_answers_a_completion_with_rest_drafting(env, default_lm):
     python, environment, _ = env
     port = free_port()
-    server = subprocess.Popen([str(python), "-m", "vllm.entrypoints.cli.main", "serve", default_lm.source,
+    server = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", default_lm.source,
                                "--speculative-config", SPEC, "--host", "127.0.0.1", "--port", str(port),
                                "--max-model-len", "1024", "--enforce-eager", "--dtype", "float32"],
                               env=environment, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

