@@ -42,10 +42,39 @@ def _parser(prog: str = "python -m rest_core") -> argparse.ArgumentParser:
     add_decode_arguments(gen)
     gen.set_defaults(func=cmd_generate)
     add_bench_parser(sub)
+    add_serving_parsers(sub)
     add_traces_parser(sub)
     add_datastore_parser(sub)
     add_tune_parser(sub)
     return parser
+
+
+def add_serving_parsers(sub: argparse._SubParsersAction) -> None:
+    """`serve` and `calibrate-vllm`: vLLM with REST drafting (run in .venv-vllm, see rest_core.serving.launch)."""
+    srv = sub.add_parser("serve", help="serve a model with vLLM's OpenAI-compatible server and REST drafting",
+                         description="Start `vllm serve MODEL --speculative-config '{\"method\": \"custom_class\", "
+                                     "\"model\": \"rest_core.vllm.RestProposer\", ...}'` in .venv-vllm; every "
+                                     "other option goes to vLLM as it is (e.g. --port 8000 --max-model-len 2048).")
+    srv.add_argument("model", nargs="?", default=None, help="folder or hub id (default: REST Lab's default model)")
+    srv.add_argument("--drafts", type=int, default=8, help="most draft tokens per request and step (default 8)")
+    srv.set_defaults(func=cmd_serve, vllm_args=[])
+    cal = sub.add_parser("calibrate-vllm", help="measure vLLM's step cost on this machine for REST drafting")
+    cal.add_argument("model", nargs="?", default=None, help="folder or hub id (default: REST Lab's default model)")
+    cal.set_defaults(func=cmd_calibrate_vllm)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rest_core.serving.launch import serve
+
+    if args.drafts < 1:
+        raise ValueError(f"--drafts must be at least 1, got {args.drafts}.")
+    return serve(args.model, args.drafts, args.vllm_args)
+
+
+def cmd_calibrate_vllm(args: argparse.Namespace) -> int:
+    from rest_core.serving.launch import run_module, served_model
+
+    return run_module("rest_core.serving.calibrate", [served_model(args.model)])
 
 
 def build_decoder(args: argparse.Namespace, lm: LoadedModel) -> RestDecoder:
@@ -145,7 +174,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m rest_core") -> int:
-    args = _parser(prog).parse_args(argv)
+    args, extra = _parser(prog).parse_known_args(argv)
+    if extra and getattr(args, "func", None) is not cmd_serve:
+        _parser(prog).parse_args(argv)  # exits with argparse's message about the unknown arguments
+    args.vllm_args = extra if getattr(args, "func", None) is cmd_serve else []
     try:
         return args.func(args)
     except (ModelLoadError, PromptError, DatastoreError, ValueError, FileNotFoundError) as err:

@@ -159,6 +159,16 @@ class CostModel:
             model.load_stats()
         return model
 
+    @classmethod
+    def for_acceptance(cls, model_name: str, stores: Sequence[Store] = (), kind: str = "") -> CostModel:
+        """Acceptance learning alone, for a caller that weighs the drafts' cost itself (a served model's batch:
+        rest_core.serving): the counts this model's decodes saved for these stores, a flat curve that no one reads."""
+        model = cls(times_ms=np.ones(len(GRID)), labels={s.source: getattr(s, "label", s.source) for s in stores},
+                    kind=kind)
+        model.stats_path = _stats_path_for(model_name)
+        model.load_stats()
+        return model
+
     # -- the cost curve ---------------------------------------------------------------
     def forward_ms(self, q: int | np.ndarray) -> float | np.ndarray:
         """Time of a pass over q tokens (one q, or an array of them), interpolated on the curve."""
@@ -180,6 +190,11 @@ class CostModel:
     def begin_request(self) -> None:
         """A new request starts: the correction learned on the last one is dropped."""
         self._request = {}
+
+    def use_request(self, corrections: dict) -> None:
+        """Rank and learn for one of several requests decoded together: `corrections` is that request's own
+        record of how its sources did (start each request with an empty dict; `observe` fills it in place)."""
+        self._request = corrections
 
     def request_factor(self, source: str) -> float:
         """How much better (> 1) or worse than its cells a source's drafts did in this request."""
@@ -312,8 +327,8 @@ class CostModel:
             why["agreement_factors"] = [round(float(f), 4) for f in self.agreement_factors()]
         return keep_nodes(tree, kept), why
 
-    def observe(self, tree: DraftTree, accepted_nodes: list[int], forward_ms: float) -> None:
-        """Learn from one verified step: which nodes were accepted, and what the pass cost."""
+    def observe(self, tree: DraftTree, accepted_nodes: list[int], forward_ms: Optional[float]) -> None:
+        """Learn from one verified step: which nodes were accepted, and what the pass cost (None: not timed)."""
         q = len(tree)
         if 1 < q <= FEW_NODES + 1:
             self._observe_few(tree, accepted_nodes)
@@ -338,7 +353,8 @@ class CostModel:
                 c[0] += np.bincount(at, minlength=CELLS).reshape(SHAPE[1:])
                 c[1] += np.bincount(at, weights=hit[rows], minlength=CELLS).reshape(SHAPE[1:])
                 _fade(c)
-        self._refresh_curve(q, forward_ms)
+        if forward_ms is not None:
+            self._refresh_curve(q, forward_ms)
 
     def _observe_few(self, tree: DraftTree, accepted_nodes: list[int]) -> None:
         """`observe`'s counting for a tree of a few nodes, in Python numbers: the same cells, the same counts added
@@ -696,7 +712,11 @@ def _cached_curve(lm, path: Path) -> Optional[np.ndarray]:
 
 
 def _stats_path(lm) -> Path:
-    return cache_dir() / "cost" / f"{safe_file_name(lm.name)}-acceptance-v{STATS_VERSION}.json"
+    return _stats_path_for(lm.name)
+
+
+def _stats_path_for(model_name: str) -> Path:
+    return cache_dir() / "cost" / f"{safe_file_name(model_name)}-acceptance-v{STATS_VERSION}.json"
 
 
 def _calibration_path(lm) -> Path:

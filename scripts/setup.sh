@@ -3,14 +3,25 @@
 #   scripts/setup.sh          runtime: torch (CPU build where it lies on disk), requirements.txt, the offline model
 #   scripts/setup.sh --tools  also the test tools (requirements-dev.txt)
 #   scripts/setup.sh --dev    the test tools and Debian's Chromium for the browser tests
+#   scripts/setup.sh --vllm   also .venv-vllm: vLLM (CPU wheels, or CUDA ones where nvidia-smi works) with this
+#                             checkout on its path, for the vLLM proposer, `rest-lab serve` and the vLLM benchmark
+#   scripts/setup.sh --suffix also arctic-inference in .venv-vllm (vLLM's `suffix` drafting, for the benchmark; its
+#                             source build takes several minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dev=0
 chromium=0
-case "${1:-}" in
-  --tools) dev=1 ;;
-  --dev) dev=1; chromium=1 ;;
-esac
+vllm=0
+suffix=()
+for arg in "$@"; do
+  case "$arg" in
+    --tools) dev=1 ;;
+    --dev) dev=1; chromium=1 ;;
+    --vllm) vllm=1 ;;
+    --suffix) vllm=1; suffix=(--suffix) ;;
+    *) echo "setup.sh: unknown option $arg (use --tools, --dev, --vllm, --suffix)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 
 if [ ! -x .venv/bin/python ]; then
@@ -19,7 +30,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip=(.venv/bin/python -m pip --disable-pip-version-check)
 stamp=.venv/.rest-lab-setup
-want=$(cat requirements.txt scripts/setup.sh | sha256sum | cut -c1-16)
+# what decides the runtime install: the requirements and the pinned packages below (not the rest of this script)
+want=$(cat requirements.txt <(grep -E '^ *"\$\{pip\[@\]\}" install' "$0") | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "Installing REST Lab's requirements into .venv..."
   # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build
@@ -39,13 +51,15 @@ if [ $dev = 1 ]; then
     echo "$dwant" > "$dstamp"
   fi
 fi
-if [ $chromium = 1 ]; then
-  if [ ! -x /usr/bin/chromium ]; then
-    echo "Installing Debian's chromium for the browser tests..."
-    if [ "$(id -u)" = 0 ]; then
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-    else
-      sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-    fi
+if [ $chromium = 1 ] && [ ! -x /usr/bin/chromium ]; then
+  echo "Installing Debian's chromium for the browser tests..."
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
   fi
+fi
+
+if [ $vllm = 1 ]; then
+  scripts/setup_vllm.sh "${suffix[@]}"
 fi

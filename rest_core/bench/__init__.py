@@ -7,15 +7,27 @@ every prompt (`repeats` interleaved rounds) and writes results.json / results.md
 `add_bench_parser` / `run_bench` are the command line.  Modules: methods (the methods, measured),
 runner (the run), stats (numbers from the records), report (machine, Markdown, charts), retrieval,
 suites, cli.
+
+Its names load on first use (PEP 562), so `rest_core.bench.suites` imports without the benchmark's plotting and
+tracing dependencies (the vLLM benchmark reads the suites in an environment that has neither).
 """
-from rest_core.bench.cli import add_bench_parser, run_bench
-from rest_core.bench.methods import GREEDY_METHODS, SAMPLING_METHODS, TRACED, ForwardLog, MethodRunner
-from rest_core.bench.report import machine_info, markdown
-from rest_core.bench.retrieval import run_retrieval
-from rest_core.bench.runner import rotated, run_benchmark
-from rest_core.bench.stats import SUMMARY_KEYS, chi_square, summarize
-from rest_core.bench.suites import SUITES, BenchPrompt, chat_prompts, humaneval_prompts, load_suite
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {"add_bench_parser": "cli", "run_bench": "cli", "GREEDY_METHODS": "methods", "SAMPLING_METHODS": "methods",
+          "TRACED": "methods", "ForwardLog": "methods", "MethodRunner": "methods", "machine_info": "report",
+          "markdown": "report", "run_retrieval": "retrieval", "rotated": "runner", "run_benchmark": "runner",
+          "SUMMARY_KEYS": "stats", "chi_square": "stats", "summarize": "stats", "SUITES": "suites",
+          "BenchPrompt": "suites", "chat_prompts": "suites", "humaneval_prompts": "suites", "load_suite": "suites"}
 
 __all__ = ["GREEDY_METHODS", "SAMPLING_METHODS", "SUITES", "SUMMARY_KEYS", "TRACED", "BenchPrompt", "ForwardLog",
            "MethodRunner", "add_bench_parser", "chat_prompts", "chi_square", "humaneval_prompts", "load_suite",
            "machine_info", "markdown", "rotated", "run_bench", "run_benchmark", "run_retrieval", "summarize"]
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rest_core.bench' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rest_core.bench.{module}"), name)

@@ -36,6 +36,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "or verify (the cost of one forward pass over q tokens, tuned vs default kernels)")
     g.add_argument("--retrieval", action="store_true", help="the store lookup micro-benchmark (= --suite retrieval)")
     g.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    g.add_argument("--engine", default="rest", choices=("rest", "vllm"),
+                   help="rest: REST Lab's own decoding loop (default); vllm: vLLM plain, ngram, suffix and REST "
+                        "drafting at several batch sizes (in .venv-vllm: scripts/setup.sh --vllm)")
+    g.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="vllm: requests in flight")
+    g.add_argument("--vllm-methods", nargs="+", default=None, help="vllm: plain ngram suffix rest (default: all)")
     g.add_argument("--prompts", nargs="+", default=None, metavar="ID",
                    help="only the prompts with these ids (shell patterns work: 'explain-*'); before --limit")
     g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED,),
@@ -66,6 +71,8 @@ def _command_line() -> str:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed `bench` arguments describe; print results.md; return the exit status."""
+    if args.engine == "vllm":
+        return _run_vllm(args)
     suite = "retrieval" if args.retrieval else args.suite
     if suite is None:
         raise ValueError("Choose a suite: --suite humaneval, chat or retrieval.")
@@ -125,3 +132,17 @@ def _run_retrieval(args: argparse.Namespace, out: Path) -> int:
     print(retrieval_markdown(results))
     print(f"results in {out}/")
     return 0
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    """The vLLM benchmark (rest_core.serving.bench) in the vLLM environment, on the suite(s) asked for."""
+    from rest_core.serving.launch import run_module, served_model
+
+    argv = ["--model", served_model(args.model), "--suite", *([args.suite] if args.suite else ["humaneval", "chat"]),
+            "--limit", str(args.limit or 16), "--batches", *map(str, args.batches),
+            "--max-new-tokens", str(args.max_new_tokens), "--rounds", str(args.repeats)]
+    if args.vllm_methods:
+        argv += ["--methods", *args.vllm_methods]
+    if args.out:
+        argv += ["--out", args.out]
+    return run_module("rest_core.serving.bench", argv)

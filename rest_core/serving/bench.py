@@ -1,0 +1,169 @@
+"""vLLM with and without drafting, on the benchmark's suites, at several batch sizes.
+
+    python -m rest_core bench --engine vllm --suite humaneval --limit 16
+
+(which runs `python -m rest_core.serving.bench` in .venv-vllm).
+
+Methods: `plain` (no drafting), `ngram` (vLLM's prompt lookup, k tokens, n-grams of 1-4), `suffix`
+(SuffixDecoding, where arctic-inference is installed) and `rest` (rest_core.vllm.RestProposer).  Every method gets
+a fresh engine at every batch size (so what suffix decoding and REST keep of past outputs holds only this run's),
+the methods side by side per batch size; the suite's prompts run with that many requests in flight (a finished
+request is replaced at once, as a server's load would be).  Measured: aggregate tokens/s, each
+request's latency (submission to last token; p50 / p95), mean tokens per step per request (the new tokens over
+the request-steps, from vLLM's own drafting counters), and whether every output equals plain vLLM's, token for
+token.  The order of methods alternates between rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENGINE = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "disable_log_stats": False}
+METHODS = ("plain", "ngram", "suffix", "rest")
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens")
+
+
+def speculative_config(method: str, k: int):
+    if method == "plain":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    if method == "rest":
+        return {"method": "custom_class", "model": "rest_core.vllm.RestProposer", "num_speculative_tokens": k}
+    raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
+
+
+def counters(llm) -> dict[str, float]:
+    found = {name: 0.0 for name in COUNTERS}
+    for metric in llm.get_metrics():
+        if metric.name in found and hasattr(metric, "value"):
+            found[metric.name] += float(metric.value)
+    return found
+
+
+def run_batch(llm, prompts, batch: int, max_new_tokens: int) -> dict:
+    """All prompts with `batch` requests in flight; per prompt its tokens and latency, and the totals."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
+    before = counters(llm)
+    waiting = list(range(len(prompts)))
+    started, done = {}, {}
+    t0 = time.perf_counter()
+    while waiting or len(done) < len(prompts):
+        while waiting and len(started) - len(done) < batch:
+            i = waiting.pop(0)
+            started[i] = time.perf_counter()
+            engine.add_request(str(i), {"prompt_token_ids": list(prompts[i].ids)}, params)
+        for out in engine.step():
+            if out.finished:
+                i = int(out.request_id)
+                done[i] = (list(out.outputs[0].token_ids), time.perf_counter() - started[i])
+    wall = time.perf_counter() - t0
+    after = counters(llm)
+    delta = {k.split(":")[1]: after[k] - before[k] for k in COUNTERS}
+    tokens = sum(len(done[i][0]) for i in done)
+    accepted = delta["spec_decode_num_accepted_tokens"]
+    latencies = sorted(done[i][1] for i in done)
+    return {"batch": batch, "wall_s": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall,
+            "latency_p50_s": statistics.median(latencies),
+            "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
+            "tokens_per_step": tokens / max(tokens - accepted, 1), **delta,
+            "outputs": {prompts[i].id: done[i][0] for i in sorted(done)}}
+
+
+def run_method(model: str, method: str, k: int, suites: dict, batch: int, max_new_tokens: int) -> dict:
+    """One method at one batch size on a fresh engine: what a method caches across requests (suffix decoding's
+    tree of past outputs, REST's history) holds only what this run served, never the answers of a run before."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(model, speculative_config=speculative_config(method, k), **ENGINE)
+    except Exception as err:  # a method that cannot start (suffix without arctic-inference) is reported, not fatal
+        return {"error": f"{type(err).__name__}: {err}"}
+    rec = {"startup_s": time.perf_counter() - t0, "runs": {}}
+    warm = [int(t) for t in range(1000, 1032)]  # one untimed request outside the suites: the engine warms up
+    llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    for suite, prompts in suites.items():
+        r = rec["runs"][f"{suite}/{batch}"] = run_batch(llm, prompts, batch, max_new_tokens)
+        print(f"  {method:7s} {suite:9s} batch {batch:2d}: {r['tokens_per_s']:7.1f} tokens/s, "
+              f"{r['tokens_per_step']:.2f} tokens/step", flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return rec
+
+
+def machine() -> dict:
+    from rest_core.machine import cpu_info
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+    except OSError:
+        commit = ""
+    import vllm
+
+    return {**cpu_info(), "cores": os.cpu_count(), "python": platform.python_version(), "vllm": vllm.__version__,
+            "commit": commit, "ld_preload": os.environ.get("LD_PRELOAD", ""),
+            "kv_cache_gb": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rest_core bench --engine vllm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="served model folder or hub id (default: REST Lab's default model)")
+    ap.add_argument("--suite", nargs="+", default=["humaneval", "chat"], choices=("humaneval", "chat"))
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every drafting method")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
+    from rest_core.model import load_tokenizer, resolve_source
+
+    _, model = resolve_source(args.model)
+    tokenizer = load_tokenizer(args.model)
+    suites = {s: load_suite(s, tokenizer, args.limit, list(BENCHMARK_CHAT_PROMPTS) if s == "chat" else None)
+              for s in args.suite}
+    out = Path(args.out or Path("bench_out") / f"vllm-{_dt.datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"command": "python -m rest_core bench --engine vllm " + " ".join(argv or sys.argv[1:]),
+              "machine": machine(), "settings": {**vars(args), "engine": ENGINE}, "rounds": []}
+    for r in range(args.rounds):
+        order = args.methods if r % 2 == 0 else args.methods[::-1]
+        result["rounds"].append({m: {"runs": {}} for m in order})
+        for batch in args.batches:  # the methods side by side at each batch size
+            for m in order:
+                got = run_method(model, m, args.k, suites, batch, args.max_new_tokens)
+                into = result["rounds"][-1][m]
+                into["runs"].update(got.pop("runs", {}))
+                into.update(got)
+            (out / "results.json").write_text(json.dumps(result, indent=1))
+    from rest_core.serving.report import vllm_markdown
+
+    (out / "results.md").write_text(vllm_markdown(result))
+    print((out / "results.md").read_text())
+    print(f"results in {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    sys.exit(main())

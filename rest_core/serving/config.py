@@ -1,0 +1,113 @@
+"""What a served model's drafter opens, from environment variables (a vLLM server passes no other settings).
+
+    REST_LAB_STORE        the static store: 'default' (REST Lab's Python store for the model's tokenizer, built on
+                          first use as the CLI builds it), 'none', or a store folder
+    REST_LAB_ANSWERS      the general-text store, drafted from in chat requests: 'auto' (default: the built-in one
+                          for the served model when it is built, else none -- said in the log), 'default' (it must
+                          be built: an error says how), 'none', or a store folder
+    REST_LAB_HISTORY      tokens of served outputs kept as a draft source (default 200000; 0: none)
+    REST_LAB_STEP_COST    a step-cost file (default: the one `rest-lab calibrate-vllm` measured for this model,
+                          engine and machine)
+
+A store that is missing, corrupt or built with another tokenizer stops the server at start-up with the reason and
+the fix; the drafter never runs silently empty.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from datastores import DatastoreError, HistoryStore, Store, open_answers, open_static_store
+from datastores.fingerprint import tokenizer_fingerprint
+from rest_core.cost import CostModel
+from rest_core.serving.drafter import RestDrafter
+from rest_core.serving.load import StepCost, curve_path, load_curve
+
+log = logging.getLogger("rest_core.serving")
+HISTORY_TOKENS = 200_000
+
+
+def rest_lab_model_name(model: str) -> str:
+    """The name REST Lab keeps a model's stores and statistics under: its default model's converted folder is
+    the default model, anything else is named as served."""
+    from rest_core.model import DEFAULT_MODEL, converted_default_dir  # the model module loads no weights on import
+
+    try:
+        if Path(model).expanduser().resolve() == converted_default_dir().resolve():
+            return DEFAULT_MODEL
+    except OSError:
+        pass
+    return model
+
+
+def chat_markers(tokenizer: Any) -> list[int]:
+    """Special token ids the chat template puts into a prompt other than the end-of-text ones (for SmolLM2:
+    <|im_start|>): a prompt that starts with one of them is a chat request."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ends = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    return sorted({int(t) for t in ids if t in special and t not in ends})
+
+
+def _answers(model_name: str, tokenizer: Any) -> Optional[Store]:
+    spec = os.environ.get("REST_LAB_ANSWERS", "auto")
+    if spec != "auto":
+        return open_answers(spec, model_name, tokenizer)
+    try:
+        return open_answers("default", model_name, tokenizer)
+    except DatastoreError as err:
+        log.warning("REST Lab: drafting without the general-text store (%s)", err)
+        return None
+
+
+def step_cost(engine_key: str) -> StepCost:
+    path = os.environ.get("REST_LAB_STEP_COST")
+    if path:
+        try:
+            cost = StepCost.from_json(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as err:
+            raise DatastoreError(f"REST_LAB_STEP_COST={path} cannot be read ({err}); point it at a file that "
+                                 f"`rest-lab calibrate-vllm` wrote, or unset it") from None
+        if cost is None:
+            raise DatastoreError(f"REST_LAB_STEP_COST={path} is not a step-cost file; measure one with "
+                                 f"`rest-lab calibrate-vllm MODEL`")
+        return cost
+    cost = load_curve(engine_key)
+    if cost is None:
+        raise DatastoreError(f"no step cost measured for this model, engine and machine ({curve_path(engine_key)}); "
+                             f"measure it once with `rest-lab calibrate-vllm MODEL` (a minute or two; `rest-lab "
+                             f"serve` does it for you)")
+    return cost
+
+
+def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engine_key: str) -> RestDrafter:
+    """The drafter for a served model, its stores opened as the environment says (see the module docstring)."""
+    name = rest_lab_model_name(model)
+    static = open_static_store(os.environ.get("REST_LAB_STORE", "default"), tokenizer, progress=False)
+    answers = _answers(name, tokenizer)
+    try:
+        history_tokens = int(os.environ.get("REST_LAB_HISTORY", HISTORY_TOKENS))
+    except ValueError:
+        raise DatastoreError(f"REST_LAB_HISTORY must be a number of tokens, got {os.environ['REST_LAB_HISTORY']!r}"
+                             ) from None
+    history = HistoryStore(path=None, max_tokens=history_tokens) if history_tokens > 0 else None
+    text = [s for s in (static,) if s is not None]
+    chat = [s for s in (static, answers) if s is not None]
+    if not chat and history is None:
+        log.warning("REST Lab: no static store and no history: drafting from each request's own tokens only")
+    with_history = [history] if history is not None else []
+    choosers = {kind: CostModel.for_acceptance(name, [*stores, *with_history], kind=kind)
+                for kind, stores in (("text", text), ("chat", chat))}
+    cost = step_cost(engine_key)
+    log.info("REST Lab drafting for %s: stores %s, history %s tokens, tokenizer %s, step cost %s", name,
+             [s.label for s in chat], history_tokens, tokenizer_fingerprint(tokenizer)[:12], engine_key)
+    return RestDrafter({"text": text, "chat": chat}, choosers, cost, max_drafts=max_drafts, max_len=max_len,
+                       chat_markers=chat_markers(tokenizer), history=history)

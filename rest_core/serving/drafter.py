@@ -1,0 +1,203 @@
+"""REST for a batch of served requests: one best chain per request, sized for the whole batch.
+
+`RestDrafter.step` is called once per engine step with the running requests (their ids, the tokens the step just
+gave each, and each one's prompt + output so far) and answers with the draft tokens each request should have
+verified next.  It uses the decoder's own parts, not copies of them:
+
+    retrieve (rest_core.retrieve)   the static and general-text stores, shared read-only by every request, the
+                                    request's own store (prompt + output so far) and the served outputs' history
+    tree     (rest_core.tree)       the continuations merged into a draft tree
+    rank     (rest_core.cost)       each node's chance of acceptance, learned per source as the decoder learns it
+    chain                           an engine that verifies chains takes the tree's best path (the likeliest
+                                    child at every depth)
+    plan     (serving.load)         how many tokens of each chain the batch can afford, from the measured step cost
+
+A request's state lives exactly while the request is in the running batch: a request that finishes, is preempted
+or is left out of a step is forgotten (its output joins the history once), and one that comes back is rebuilt
+from its tokens.  So a server that has seen thousands of requests holds state for the running ones only.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from datastores import HistoryStore, RequestStore, Store
+from rest_core.cost import CostModel
+from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
+from rest_core.serving.load import AcceptanceProfile, StepCost, plan_drafts, worth_drafting
+from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
+
+TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best chain is taken
+SAVE_EVERY = 32  # ended requests between two saves of the learned acceptance counts
+ENDED_KEPT = 4096  # ids of recently ended requests remembered, so a preempted one's output joins the history once
+LOOKUP_WEIGHT = 0.1  # weight of the newest request's lookup time in the running mean
+LEARNED = 64  # drafts a source must have had tested before the cost model's chances alone value its chains
+
+
+@dataclass
+class RequestState:
+    """What the drafter keeps for one running request."""
+
+    store: RequestStore  # prompt + output so far
+    length: int  # tokens the store holds
+    first_output: int  # where the output begins in the store (as far as the drafter saw it begin)
+    kind: str  # "chat" or "text": the cost model learns acceptance per kind
+    corrections: dict = field(default_factory=dict)  # the cost model's per-request record (CostModel.use_request)
+    chain: Optional[DraftTree] = None  # the drafts proposed last step, awaiting the step's verdict
+
+
+def best_chain(tree: DraftTree, chooser: CostModel, limit: int) -> tuple[DraftTree, list[float]]:
+    """The tree's best path of at most `limit` drafts (from the root, the child with the highest chance of being
+    accepted at every depth) as a tree of its own, and the chance of each prefix of it being accepted."""
+    if tree.draft_size == 0 or limit <= 0:
+        return keep_nodes(tree, np.zeros(0, dtype=np.int64)), []
+    order, chance = chooser.ranked(tree)
+    by_node = np.zeros(len(tree))
+    by_node[order] = chance
+    node, nodes, chances = 0, [], []
+    while len(nodes) < limit and tree.children[node]:
+        node = max(tree.children[node].values(), key=lambda c: (by_node[c], -c))
+        nodes.append(node)
+        chances.append(float(by_node[node]))
+    return keep_nodes(tree, np.array(nodes, dtype=np.int64)), chances
+
+
+def _tested(chooser: CostModel, source: str) -> float:
+    """How many of a source's drafts the cost model has seen put to the test."""
+    counts = chooser.counts.get(source)
+    return 0.0 if counts is None else float(counts[0].sum())
+
+
+class RestDrafter:
+    """Draft chains for every running request of a served model (see the module's docstring).
+
+    shared: per kind of request ("chat" / "text") the read-only stores every such request drafts from, in merge
+    order (the request's own store and the history are added after them); choosers: per kind, the cost model that
+    ranks and learns acceptance; cost: the measured step cost; max_drafts: the most drafts one request may get
+    (the engine's num_speculative_tokens); max_len: the model's context; chat_markers: token ids that only a chat
+    template puts in a prompt (they tell a chat request from plain text)."""
+
+    def __init__(self, shared: dict[str, list[Store]], choosers: dict[str, CostModel], cost: StepCost,
+                 max_drafts: int, max_len: int, chat_markers: Sequence[int] = (),
+                 history: Optional[HistoryStore] = None, settings: Optional[RetrieveSettings] = None):
+        self.shared, self.choosers, self.cost = shared, choosers, cost
+        self.max_drafts, self.max_len = max_drafts, max_len
+        self.chat_markers = frozenset(int(t) for t in chat_markers)
+        self.history = history
+        self.settings = settings or RetrieveSettings(continuation_len=max(1, min(max_drafts, 24)))
+        self.requests: dict[str, RequestState] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._left = 0  # requests that left the batch so far
+        self.profile = AcceptanceProfile(depth=max(1, max_drafts))
+        self.lookup_ms = 1.0  # running mean of one request's lookups + tree + chain
+        self.stats = {"steps": 0, "drafting_steps": 0, "drafted": 0, "accepted": 0}
+
+    # -- the requests ------------------------------------------------------------------------------------------
+    def _forget_absent(self, running: set) -> None:
+        """Drop every request that left the batch; its output joins the history (once per request id)."""
+        for rid in [r for r in self.requests if r not in running]:
+            state = self.requests.pop(rid)
+            if self.history is not None and rid not in self._ended:
+                output = state.store.tokens[state.first_output:]
+                if output.size:
+                    self.history.add(output)
+            self._ended[rid] = None
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+            self._left += 1
+            if self._left % SAVE_EVERY == 0:
+                self.save_stats()
+
+    def _kind(self, tokens: np.ndarray) -> str:
+        head = tokens[:8].tolist()
+        return "chat" if self.chat_markers and any(t in self.chat_markers for t in head) else "text"
+
+    def _follow(self, rid: str, new: Sequence[int], length: int, row: np.ndarray) -> RequestState:
+        """The request's state after this step: extended by its new tokens (learning from the verdict on the
+        chain it was given), or rebuilt from its tokens when it is new or did not continue where it stood."""
+        state = self.requests.get(rid)
+        if state is not None and state.length + len(new) == length:
+            self._learn(state, new)
+            state.store.extend([int(t) for t in new])
+            state.length = length
+            return state
+        tokens = np.asarray(row[:length], dtype=np.int64)
+        store = RequestStore(tokens, n_max=self.settings.n_max, n_min=self.settings.n_min)
+        state = RequestState(store, length, length - len(new), self._kind(tokens))
+        self.requests[rid] = state
+        return state
+
+    def _learn(self, state: RequestState, new: Sequence[int]) -> None:
+        """The step's verdict on the request's chain: the drafts it kept are the first len(new) - 1 tokens."""
+        chain, state.chain = state.chain, None
+        if chain is None or chain.draft_size == 0:
+            return
+        drafted = chain.tokens[1:].tolist()
+        accepted = 0
+        while accepted < min(len(new) - 1, len(drafted)) and int(new[accepted]) == drafted[accepted]:
+            accepted += 1
+        if accepted < len(drafted) and len(new) > accepted and int(new[accepted]) == drafted[accepted]:
+            drafted = drafted[:accepted]  # the engine verified fewer drafts than given: the rest were never tested
+            chain = keep_nodes(chain, np.arange(1, accepted + 1))
+        if not drafted:
+            return
+        chooser = self.choosers[state.kind]
+        chooser.use_request(state.corrections)
+        chooser.observe(chain, list(range(accepted + 1)), None)
+        self.profile.observe(len(drafted), accepted)
+        self.stats["drafted"] += len(drafted)
+        self.stats["accepted"] += accepted
+
+    # -- one engine step ---------------------------------------------------------------------------------------
+    def step(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
+             tokens: np.ndarray) -> list[list[int]]:
+        """Draft tokens for each running request (row i: req_ids[i], the tokens sampled[i] this step gave it,
+        tokens[i, :lengths[i]] its prompt + output so far); a request still reading its prompt gets none."""
+        self.stats["steps"] += 1
+        self._forget_absent(set(req_ids))
+        rows = []
+        for i, rid in enumerate(req_ids):
+            if len(sampled[i]):
+                rows.append((i, self._follow(rid, sampled[i], int(lengths[i]), tokens[i])))
+        out: list[list[int]] = [[] for _ in req_ids]
+        if not rows or not worth_drafting(self.profile, self.cost, len(req_ids), self.max_drafts, self.lookup_ms):
+            return out
+        self.stats["drafting_steps"] += 1
+        chains, chances = [], []
+        for i, state in rows:
+            start = time.perf_counter()
+            chain, chance = self._chain(state, tokens[i], int(lengths[i]))
+            self.lookup_ms += LOOKUP_WEIGHT * ((time.perf_counter() - start) * 1e3 - self.lookup_ms)
+            chains.append(chain)
+            chances.append(chance)
+        counts = plan_drafts(chances, self.cost, batch=len(req_ids))
+        for (i, state), chain, k in zip(rows, chains, counts):
+            state.chain = keep_nodes(chain, np.arange(1, k + 1)) if k else None
+            out[i] = chain.tokens[1:k + 1].tolist()
+        return out
+
+    def _chain(self, state: RequestState, row: np.ndarray, length: int) -> tuple[DraftTree, list[float]]:
+        """The request's best chain and its prefixes' chances of acceptance."""
+        room = min(self.max_drafts, self.max_len - length - 1)
+        context = row[max(0, length - self.settings.n_max):length].tolist()
+        stores = [*self.shared.get(state.kind, ()), state.store, *(() if self.history is None else (self.history,))]
+        lookups = retrieve(query_suffix(context, self.settings), stores, self.settings) if room > 0 else []
+        tree = build_draft_tree(context[-1], lookups, TREE_NODES)
+        chooser = self.choosers[state.kind]
+        chooser.use_request(state.corrections)
+        chain, chances = best_chain(tree, chooser, room)
+        if chances and any(_tested(chooser, name) < LEARNED for name in set(chain.sources[1:])):
+            # a source the cost model knows little of: its prior is shy by design, and a chain that is never
+            # drafted never teaches it; value the chain as recent drafts fared until its counts speak
+            chances = [max(c, p) for c, p in zip(chances, self.profile.chain(len(chances)))]
+        return chain, chances
+
+    def save_stats(self) -> None:
+        """Keep what the choosers learned for the next run (the decoder's acceptance files)."""
+        for chooser in self.choosers.values():
+            chooser.save_stats()

@@ -1,0 +1,50 @@
+"""What the drafter needs to know about the vLLM engine it runs in, read from vLLM's own objects.
+
+vLLM builds a custom proposer as `Class(vllm_config)` and calls `propose(sampled_token_ids, num_tokens_no_spec,
+token_ids_cpu, slot_mappings)` with one row per running request, but hands it no request ids.  The model runner
+that builds the proposer holds them (`runner.input_batch.req_ids`, in row order), so the proposer finds that runner
+among its callers when it is built and reads the ids from it at every step.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from typing import Any, Optional
+
+from rest_core.machine import machine_key
+
+SEARCHED_FRAMES = 6
+
+
+def calling_runner(depth: int = 2) -> Optional[Any]:
+    """The vLLM model runner among the callers (the object whose input batch lists the running requests)."""
+    frame = sys._getframe(depth)
+    for _ in range(SEARCHED_FRAMES):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and hasattr(type(owner), "propose_draft_token_ids"):
+            return weakref.proxy(owner)
+        frame = frame.f_back
+    return None
+
+
+def running_request_ids(runner: Any, rows: int) -> list[str]:
+    """The ids of the first `rows` requests of the runner's batch, in the rows' order."""
+    return list(runner.input_batch.req_ids[:rows])
+
+
+def engine_key(vllm_config: Any) -> str:
+    """Names the step-cost table: the model, device, dtype, parallelism, vLLM's version, whether Intel's OpenMP is
+    preloaded (it changes a CPU step's cost) and this machine."""
+    import vllm
+
+    from rest_core.serving.config import rest_lab_model_name
+
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    device = getattr(vllm_config.device_config, "device_type", "cpu")
+    return (f"{rest_lab_model_name(model.model)}-{device}-{str(model.dtype).split('.')[-1]}"
+            f"-tp{parallel.tensor_parallel_size}-pp{parallel.pipeline_parallel_size}-vllm{vllm.__version__}"
+            f"{'-iomp' if 'libiomp5' in os.environ.get('LD_PRELOAD', '') else ''}-{machine_key()}")

@@ -1,0 +1,82 @@
+"""Run vLLM from REST Lab's own command line: `rest-lab serve`, `rest-lab calibrate-vllm`, `bench --engine vllm`.
+
+vLLM lives in its own environment (.venv-vllm at the checkout's root, made by `scripts/setup.sh --vllm`; or the
+Python named by REST_LAB_VLLM_PYTHON), so these commands start that environment's Python with the settings every
+vLLM run of REST Lab gets: VLLM_CPU_KVCACHE_SPACE (2 GB unless set: without it a CPU worker grew to most of a
+24 GB machine) and, where the environment has it and LD_PRELOAD is not set, Intel's OpenMP runtime preloaded
+(vLLM's CPU backend asks for it; REST_LAB_IOMP=0 leaves it out).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from datastores.common import DatastoreError, safe_file_name
+
+ROOT = Path(__file__).resolve().parents[2]
+KV_CACHE_GB = "2"
+
+
+def vllm_python() -> Path:
+    """The Python of the vLLM environment (a clear error naming the set-up command when there is none)."""
+    path = Path(os.environ.get("REST_LAB_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+    if not path.is_file():
+        raise DatastoreError(f"no vLLM environment at {path}: create it with `scripts/setup.sh --vllm` (a few "
+                             f"minutes, once), or point REST_LAB_VLLM_PYTHON at a Python that has vLLM 0.32")
+    return path
+
+
+def vllm_env(python: Path) -> dict[str, str]:
+    """The environment a vLLM run starts with (see the module docstring)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GB)
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file() and not env.get("LD_PRELOAD") and env.get("REST_LAB_IOMP", "1") != "0":
+        env["LD_PRELOAD"] = str(iomp)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_module(module: str, args: Sequence[str]) -> int:
+    """`python -m module args...` in the vLLM environment; its exit status."""
+    python = vllm_python()
+    return subprocess.call([str(python), "-m", module, *args], env=vllm_env(python), cwd=str(ROOT))
+
+
+def served_model(model: str | None) -> str:
+    """The folder or hub id vLLM loads: REST Lab's default model as its converted fp32 folder."""
+    from rest_core.model import resolve_source
+
+    return resolve_source(model)[1]
+
+
+def has_curve(model: str) -> bool:
+    """Whether a step cost was measured for this model with the vLLM environment's version on this machine
+    (any engine settings: the proposer itself refuses a table measured for others, saying how to measure it)."""
+    from rest_core.serving.config import rest_lab_model_name
+    from rest_core.serving.load import curve_path
+
+    folder = curve_path("x").parent
+    return any(folder.glob(f"vllm-{safe_file_name(rest_lab_model_name(model))}-*.json"))
+
+
+def serve(model: str | None, drafts: int, vllm_args: Sequence[str]) -> int:
+    """vLLM's OpenAI-compatible server for `model` with REST drafting; the step cost measured first if needed."""
+    folder = served_model(model)
+    if not has_curve(folder):
+        print("Measuring vLLM's step cost on this machine (once per model and machine)...", flush=True)
+        status = run_module("rest_core.serving.calibrate", [folder])
+        if status:
+            return status
+    spec = ('{"method": "custom_class", "model": "rest_core.vllm.RestProposer", '
+            f'"num_speculative_tokens": {drafts}}}')
+    python = vllm_python()
+    # the OpenAI server's own module: vllm-cpu 0.32.0's `vllm` command stops at once, looking up the version of a
+    # distribution named "vllm" where it is installed as "vllm-cpu"
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--speculative-config",
+               spec, *vllm_args]
+    print("Starting: " + " ".join(command[2:]), flush=True)
+    os.execve(str(python), command, vllm_env(python))
+    return 0  # not reached

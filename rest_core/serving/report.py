@@ -1,0 +1,59 @@
+"""The vLLM benchmark's results as Markdown (rest_core.serving.bench writes results.json, this reads it)."""
+from __future__ import annotations
+
+import statistics
+
+
+def _runs(result: dict, method: str, key: str) -> list[dict]:
+    return [r[method]["runs"][key] for r in result["rounds"] if key in r.get(method, {}).get("runs", {})]
+
+
+def _identical(result: dict, method: str, key: str) -> tuple[int, int]:
+    """(outputs equal to plain vLLM's, outputs compared) over every round."""
+    plain = [r["outputs"] for r in _runs(result, "plain", key)]
+    same = total = 0
+    for run in _runs(result, method, key):
+        for pid, tokens in run["outputs"].items():
+            total += 1
+            same += all(p.get(pid) == tokens for p in plain)
+    return same, total
+
+
+def vllm_markdown(result: dict) -> str:
+    """One table per suite: per batch size and method, tokens/s (and against plain), latency, tokens per step,
+    identical outputs."""
+    m = result["machine"]
+    s = result["settings"]
+    methods = list(result["rounds"][0])
+    lines = [f"# vLLM {m['vllm']}: plain, ngram, suffix and REST drafting", "",
+             f"Machine: {m['cpu']} (family/model {m['cpu_family']}, {', '.join(m['cpu_features'])}), "
+             f"{m['cores']} cores; commit {m['commit']}; Python {m['python']}; LD_PRELOAD={m['ld_preload'] or '-'}; "
+             f"VLLM_CPU_KVCACHE_SPACE={m['kv_cache_gb']} GB.", "",
+             f"Command: `{result['command']}`", "",
+             f"Greedy, {s['max_new_tokens']} new tokens, k = {s['k']} drafts at most per request and step, "
+             f"engine {s['engine']}; {len(result['rounds'])} round(s), medians over rounds.", ""]
+    for method in methods:
+        err = result["rounds"][0][method].get("error")
+        if err:
+            lines += [f"**{method}** did not run: {err[:300]}", ""]
+    keys = sorted({k for r in result["rounds"] for rec in r.values() for k in rec.get("runs", {})},
+                  key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
+    for suite in dict.fromkeys(k.split("/")[0] for k in keys):
+        lines += [f"## {suite}", "", "| batch | method | tokens/s | × plain | p50 latency s | p95 latency s | "
+                  "tokens/step | identical to plain |", "|---|---|---|---|---|---|---|---|"]
+        for key in (k for k in keys if k.startswith(suite + "/")):
+            plain = [r["tokens_per_s"] for r in _runs(result, "plain", key)]
+            base = statistics.median(plain) if plain else None
+            for method in methods:
+                runs = _runs(result, method, key)
+                if not runs:
+                    continue
+                tps = statistics.median(r["tokens_per_s"] for r in runs)
+                same, total = _identical(result, method, key)
+                lines.append(f"| {key.split('/')[1]} | {method} | {tps:.1f} | "
+                             f"{f'{tps / base:.2f}×' if base else '-'} | "
+                             f"{statistics.median(r['latency_p50_s'] for r in runs):.2f} | "
+                             f"{statistics.median(r['latency_p95_s'] for r in runs):.2f} | "
+                             f"{statistics.median(r['tokens_per_step'] for r in runs):.2f} | {same}/{total} |")
+        lines.append("")
+    return "\n".join(lines)

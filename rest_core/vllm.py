@@ -1,0 +1,46 @@
+"""REST drafting inside vLLM: `speculative_config={"method": "custom_class", "model": "rest_core.vllm.RestProposer",
+"num_speculative_tokens": k}`.
+
+Every engine step the proposer drafts, for each running request, the best chain of REST Lab's draft tree over
+the model's stores (rest_core.serving.drafter), as many tokens of it as the measured step cost says the whole batch
+can afford (rest_core.serving.load): none at all when drafting would not pay.  Stores and settings come from
+environment variables (rest_core.serving.config); the step cost is measured once per machine with
+`rest-lab calibrate-vllm MODEL`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rest_core.serving.config import open_drafter
+from rest_core.serving.engine import calling_runner, engine_key, running_request_ids
+
+__all__ = ["RestProposer"]
+
+
+class RestProposer:
+    """vLLM's custom proposer for REST Lab's drafts (built by vLLM with its VllmConfig)."""
+
+    def __init__(self, vllm_config: Any):
+        from transformers import AutoTokenizer
+
+        self.runner = calling_runner()
+        model = vllm_config.model_config
+        tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+        self.drafter = open_drafter(model.model, tokenizer,
+                                    max_drafts=vllm_config.speculative_config.num_speculative_tokens,
+                                    max_len=model.max_model_len, engine_key=engine_key(vllm_config))
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load (REST drafts without a model); the runner that calls this is the one to read."""
+        if self.runner is None:
+            self.runner = calling_runner()
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
+                slot_mappings: Any = None) -> list[list[int]]:
+        if self.runner is None:
+            raise RuntimeError("REST Lab's proposer cannot see the running requests' ids in this vLLM version "
+                               "(no model runner among its callers); use vLLM 0.32 (scripts/setup.sh --vllm)")
+        ids = running_request_ids(self.runner, len(sampled_token_ids))
+        return self.drafter.step(ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)

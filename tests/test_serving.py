@@ -1,0 +1,183 @@
+"""The vLLM proposer's choices without vLLM: the step-cost table, the batch's draft plan, the request states."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from datastores import HistoryStore, build_from_token_documents
+from rest_core.cost import CostModel
+from rest_core.serving.drafter import RestDrafter, best_chain
+from rest_core.serving.load import AcceptanceProfile, StepCost, plan_drafts, worth_drafting
+from rest_core.tree import DraftTree
+
+BATCHES, DRAFTS = (1, 2, 4, 8, 16), (0, 1, 2, 4, 8)
+
+
+def table(fixed: float, per_token: float) -> StepCost:
+    """A step that costs `fixed` ms plus `per_token` ms per scheduled token (requests and drafts alike)."""
+    return StepCost(BATCHES, DRAFTS, tuple(tuple(fixed + per_token * b * (1 + k) for k in DRAFTS) for b in BATCHES))
+
+
+def test_step_cost_interpolates_and_extends_past_the_table():
+    cost = table(10.0, 2.0)
+    assert cost(4, 0) == pytest.approx(18.0)
+    assert cost(3, 3) == pytest.approx(10 + 2 * 6)  # between batch sizes and draft counts
+    assert cost(32, 32) == pytest.approx(10 + 2 * 64)  # past the largest batch
+    assert StepCost.from_json(cost.to_json()) == cost
+    assert StepCost.from_json({"version": 99}) is None
+    with pytest.raises(ValueError, match="positive"):
+        StepCost(BATCHES, DRAFTS, tuple(tuple(0.0 for _ in DRAFTS) for _ in BATCHES))
+
+
+def test_plan_drafts_when_a_step_is_nearly_free_to_widen():
+    """A fixed cost dominates (batch 1 on a CPU): every likely draft is worth its token, unlikely ones are not."""
+    cost = table(50.0, 1.0)
+    assert plan_drafts([[0.9, 0.8, 0.7, 0.01]], cost) == [3]
+
+
+def test_plan_drafts_switches_off_when_tokens_cost_what_they_bring():
+    """Time proportional to the scheduled tokens: a draft with chance below 1 never pays, at any batch size."""
+    cost = table(0.0, 2.0)
+    assert plan_drafts([[0.9, 0.8]] * 16, cost) == [0] * 16
+    assert plan_drafts([[0.95]], cost) == [0]
+
+
+def test_plan_drafts_gives_the_batch_s_tokens_to_the_likeliest_chains():
+    cost = table(40.0, 2.0)  # at batch 4: 48 ms plain, each draft 2 ms more
+    counts = plan_drafts([[0.9, 0.85, 0.8], [0.05], [], [0.6, 0.2]], cost)
+    assert counts == [3, 0, 0, 1]
+    assert plan_drafts([[0.9, 0.85, 0.8]], cost, overhead_ms=1000.0) == [0]  # lookups slower than they save
+
+
+def test_worth_drafting_follows_load_and_acceptance():
+    cost = StepCost(BATCHES, DRAFTS, ((50, 51, 52, 54, 58), (55, 57, 59, 63, 71), (60, 64, 68, 76, 92),
+                                      (70, 120, 170, 270, 470), (90, 180, 270, 450, 810)))
+    good = AcceptanceProfile(depth=8, prior=0.8)
+    assert worth_drafting(good, cost, batch=1, max_drafts=8, lookup_ms=1.0)
+    assert not worth_drafting(good, cost, batch=16, max_drafts=8, lookup_ms=1.0)  # a draft: 5.6 ms more on 90
+    poor = AcceptanceProfile(depth=8, prior=0.02)
+    assert not worth_drafting(poor, cost, batch=1, max_drafts=8, lookup_ms=1.0)
+    for _ in range(400):  # drafts keep landing: the profile learns it
+        poor.observe(drafted=4, accepted=4)
+    assert poor.rates[0] > 0.8 and worth_drafting(poor, cost, batch=1, max_drafts=8, lookup_ms=1.0)
+
+
+def test_best_chain_takes_the_likeliest_child_at_every_depth():
+    # root -> a (two branches: b likelier than c) ; the chain is a, b, d
+    tree = DraftTree(tokens=np.array([0, 10, 11, 12, 13]), parents=np.array([-1, 0, 1, 1, 2]),
+                     depths=np.array([0, 1, 2, 2, 3]), scores=np.array([1.0, 0.9, 0.6, 0.3, 0.5]),
+                     sources=["", "static", "static", "static", "static"],
+                     shares=np.array([1.0, 0.9, 0.6, 0.3, 0.5]), support=np.array([0.0, 9, 6, 3, 5]))
+    chooser = CostModel(times_ms=np.ones(8))
+    chain, chances = best_chain(tree, chooser, limit=8)
+    assert chain.tokens.tolist() == [0, 10, 11, 13]
+    assert chances == sorted(chances, reverse=True) and len(chances) == 3
+    assert best_chain(tree, chooser, limit=2)[0].tokens.tolist() == [0, 10, 11]
+
+
+def make_drafter(tmp_path, cost=None, history=True) -> RestDrafter:
+    docs = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]] * 20  # a static store that always continues 5 6 ... the same way
+    store = build_from_token_documents(tmp_path / "store", docs)
+    choosers = {kind: CostModel(times_ms=np.ones(8), kind=kind) for kind in ("text", "chat")}
+    return RestDrafter({"text": [store], "chat": [store]}, choosers, cost or table(50.0, 0.5), max_drafts=4,
+                       max_len=512, chat_markers=[1], history=HistoryStore(path=None) if history else None)
+
+
+def rows(*seqs, width=64) -> np.ndarray:
+    out = np.zeros((len(seqs), width), dtype=np.int32)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = s
+    return out
+
+
+def test_the_drafter_drafts_a_chain_and_learns_from_the_verdict(tmp_path):
+    drafter = make_drafter(tmp_path)
+    prompt = [3, 4, 5, 6]
+    got = drafter.step(["a"], [[6]], [4], rows(prompt))
+    assert got == [[7, 8, 9, 10]]
+    # the engine accepted 7 and 8, then the model said 99 (its bonus token)
+    after = prompt + [7, 8, 99]
+    drafter.step(["a"], [[7, 8, 99]], [7], rows(after))
+    assert drafter.stats["drafted"] == 4 and drafter.stats["accepted"] == 2
+    assert drafter.requests["a"].store.tokens.tolist() == after
+
+
+def test_request_states_follow_completion_preemption_and_thousands_of_requests(tmp_path):
+    drafter = make_drafter(tmp_path)
+    drafter.step(["a", "b"], [[6], [6]], [4, 4], rows([3, 4, 5, 6], [9, 4, 5, 6]))
+    assert set(drafter.requests) == {"a", "b"}
+    # "a" is preempted: it leaves the batch, its state goes, its output so far joins the history once
+    drafter.step(["b"], [[7]], [5], rows([9, 4, 5, 6, 7]))
+    assert set(drafter.requests) == {"b"} and len(drafter.history) == 1
+    # "a" comes back (recomputed): rebuilt from its tokens, whatever it held before
+    back = [3, 4, 5, 6, 7, 8, 9]
+    drafter.step(["b", "a"], [[8], [9]], [6, 7], rows([9, 4, 5, 6, 7, 8], back))
+    assert drafter.requests["a"].store.tokens.tolist() == back
+    # a row whose length does not follow from the last step is rebuilt, not extended
+    drafter.step(["a"], [[1]], [3], rows([3, 4, 1]))
+    assert drafter.requests["a"].store.tokens.tolist() == [3, 4, 1] and len(drafter.history) == 2
+    for n in range(3000):  # thousands of short requests, two at a time: state for the running ones only
+        ids = [f"r{n}", f"s{n}"]
+        drafter.step(ids, [[6], [6]], [4, 4], rows([3, 4, 5, 6], [3, 4, 5, 6]))
+        assert set(drafter.requests) == set(ids)
+    assert len(drafter._ended) <= 4096
+    assert drafter.history.n_tokens <= drafter.history.max_tokens
+
+
+def test_a_request_still_reading_its_prompt_gets_no_draft(tmp_path):
+    drafter = make_drafter(tmp_path)
+    assert drafter.step(["a", "b"], [[], [6]], [4, 4], rows([3, 4, 5, 6], [3, 4, 5, 6])) == [[], [7, 8, 9, 10]]
+    assert set(drafter.requests) == {"b"}
+
+
+def test_no_lookup_at_all_when_the_load_makes_drafting_a_loss(tmp_path):
+    drafter = make_drafter(tmp_path, cost=table(0.0, 2.0))
+    calls = []
+    drafter._chain = lambda *a: calls.append(a)  # any lookup would land here
+    assert drafter.step(["a"], [[6]], [4], rows([3, 4, 5, 6])) == [[]]
+    assert calls == [] and drafter.stats["drafting_steps"] == 0
+
+
+def test_chat_requests_are_told_apart_by_the_template_s_marker(tmp_path):
+    drafter = make_drafter(tmp_path)
+    drafter.step(["c", "t"], [[6], [6]], [4, 4], rows([1, 4, 5, 6], [3, 4, 5, 6]))
+    assert drafter.requests["c"].kind == "chat" and drafter.requests["t"].kind == "text"
+
+
+def test_every_vllm_run_gets_a_kv_cache_limit_and_intel_openmp(tmp_path, monkeypatch):
+    from rest_core.serving.launch import vllm_env
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    python = tmp_path / "venv" / "bin" / "python"
+    (tmp_path / "venv" / "lib").mkdir(parents=True)
+    env = vllm_env(python)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and "LD_PRELOAD" not in env  # no runtime there: nothing preloaded
+    (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
+    assert vllm_env(python)["LD_PRELOAD"].endswith("libiomp5.so")
+    monkeypatch.setenv("REST_LAB_IOMP", "0")
+    assert "LD_PRELOAD" not in vllm_env(python)
+
+
+def test_vllm_commands_without_the_vllm_environment_say_how_to_make_it(tmp_path, monkeypatch, capsys):
+    from rest_core.cli import main
+
+    monkeypatch.setenv("REST_LAB_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
+    assert main(["calibrate-vllm"]) == 2
+    assert "scripts/setup.sh --vllm" in capsys.readouterr().err
+    assert main(["serve", "--drafts", "0"]) == 2
+    assert "--drafts must be at least 1" in capsys.readouterr().err
+
+
+def test_a_missing_step_cost_is_an_error_that_names_the_command(tmp_path, monkeypatch):
+    from datastores import DatastoreError
+    from rest_core.serving.config import step_cost
+
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("REST_LAB_STEP_COST", raising=False)
+    with pytest.raises(DatastoreError, match="rest-lab calibrate-vllm"):
+        step_cost("some-model-cpu-key")
+    (tmp_path / "bad.json").write_text("{}")
+    monkeypatch.setenv("REST_LAB_STEP_COST", str(tmp_path / "bad.json"))
+    with pytest.raises(DatastoreError, match="not a step-cost file"):
+        step_cost("some-model-cpu-key")
