@@ -134,9 +134,9 @@ def load_module(path: Path, name: str):
     return module
 
 
-def script(name: str):
-    """scripts/<name>.py as a module."""
-    return load_module(ROOT / "scripts" / f"{name}.py", name)
+def tool(name: str):
+    """tools/<name>.py (a measurement tool) as a module."""
+    return load_module(ROOT / "tools" / f"{name}.py", name)
 
 
 def make_tiny_lm(vocab_size: int = 70_000, seed: int = 0, layers: int = 2, eos_token_id: int = 0,

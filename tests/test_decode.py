@@ -17,7 +17,7 @@ from rest_core.decode import DecodeConfig, PromptError, RestDecoder, plain_gener
 from rest_core.retrieve import RetrieveSettings
 from rest_core.sampling import Sampling, draw_token, next_token_probs
 
-from conftest import make_tiny_lm, script
+from conftest import make_tiny_lm, tool
 from oracle import BruteForceStore
 
 PROMPTS = [[5, 9, 69_999, 3], [65_536, 65_537, 12], [2], list(range(100, 140))]
@@ -320,9 +320,9 @@ def test_the_models_own_predictions_draft_and_greedy_stays_exact(tiny_lm):
 
 
 def test_the_step_overhead_script_splits_steps_with_and_without_a_draft(tiny_lm):
-    """scripts/step_overhead.py on the tiny model: every step is counted once, under the kind its tree was,
+    """tools/step_overhead.py on the tiny model: every step is counted once, under the kind its tree was,
     and its phases are the decoder's own timings."""
-    module = script("step_overhead")
+    module = tool("step_overhead")
     dec = RestDecoder(tiny_lm, stores=assemble_stores(request=True, model=RecycleStore(tiny_lm.vocab_size)))
     cfg = DecodeConfig(max_new_tokens=24, draft_budget=4, stop_at_eos=False)
     prompts = [[5, 6, 7, 8], [5, 6, 7, 8]]  # the second learns from the first: some steps draft, some not
@@ -348,7 +348,7 @@ def test_the_step_overhead_script_splits_steps_with_and_without_a_draft(tiny_lm)
 def test_the_step_overhead_script_times_rest_cut_to_the_root_against_plain(tiny_lm):
     """--never-draft: the cost model decides every step, but every tree the model sees is the root alone, so the
     decode is plain decoding with REST's work around it; the chooser is handed back afterwards."""
-    module = script("step_overhead")
+    module = tool("step_overhead")
     seen = []
 
     class Watching(CostModel):
@@ -371,10 +371,10 @@ def test_the_step_overhead_script_times_rest_cut_to_the_root_against_plain(tiny_
 
 
 def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
-    """scripts/cut_ceiling.py on the tiny model: every step's candidate tree is recorded with the cost model's
+    """tools/cut_ceiling.py on the tiny model: every step's candidate tree is recorded with the cost model's
     ranking; replaying the budgets the cost model kept gives back the drafts the decoder accepted, and a
     rule that knows the answer does at least as well as the recorded choice."""
-    module = script("cut_ceiling")
+    module = tool("cut_ceiling")
 
     class NearlyFree(CostModel):  # trees cost almost nothing more than one token, whatever the tiny model takes
         def _refresh_curve(self, q, forward_ms):
@@ -417,7 +417,7 @@ def test_chances_spent_at_an_exchange_rate_draft_while_the_margin_beats_it():
     step's best ratio, 1.12 per ms); 8 drafts give 7.42 in 6.9 ms (1.075), so the objective keeps 2.  At an
     exchange rate of one token per ms the 6 more drafts are worth their 4.4 ms (4.62 tokens); at two per ms
     not even a plain step's token is, and the rate a lone step's chances promise is its own best ratio."""
-    module = script("cut_ceiling")
+    module = tool("cut_ceiling")
     rows = [{"candidates": 8, "chances": [0.9, 0.9] + [0.77] * 6}]
     assert module.objective(made_up_curve)(rows[0]) == 2
     assert module.at_rate(rows, made_up_curve, 1.0)(rows[0]) == 8
@@ -430,7 +430,7 @@ def test_knowing_the_answer_finds_the_best_rate_of_all_steps_together():
     The first step's answer starts at its third-ranked candidate: 8 drafts give 7 tokens in 6.9 ms, a rate
     above a plain step's; the second's 2 drafts give 3 tokens in 2.5 ms.  Each step's own best rate drafts
     both (10 tokens in 9.4 ms); the best rate of the two together keeps the first step plain (4 in 3.5)."""
-    module = script("cut_ceiling")
+    module = tool("cut_ceiling")
     rows = [{"candidates": 8, "ranks": [2, 3, 4, 5, 6, 7], "kept": 8, "accepted": 6, "chances": [0.5] * 8},
             {"candidates": 2, "ranks": [0, 1], "kept": 2, "accepted": 2, "chances": [0.5] * 2}]
     each_alone = module.replay(rows, made_up_curve, lambda r: r["kept"])
@@ -446,38 +446,13 @@ def test_knowing_the_answer_finds_the_best_rate_of_all_steps_together():
             assert other[1] <= best[1]
 
 
-def test_the_agreement_script_counts_each_tested_node_with_its_sources(tiny_lm):
-    """scripts/agreement_ab.py's calibration hook on the tiny model: every draft node whose parent was accepted
-    is counted once, with the number of sources whose retrieved rows run through it."""
-    from rest_core.cost import CostModel
-
-    module = script("agreement_ab")
-    prompt = PROMPTS[0]
-    plain, store = store_from_plain(tiny_lm, prompt, 30)
-    history = HistoryStore(path=None)
-    stores = assemble_stores(static=store, request=True, history=history)
-    times = np.array([10.0 + 0.1 * (q - 1) for q in GRID])  # cheap trees: the cost model drafts
-    dec = RestDecoder(tiny_lm, stores=stores, budget_chooser=CostModel(times_ms=times))
-    cfg = DecodeConfig(max_new_tokens=30, stop_at_eos=False)
-    dec.generate(prompt, cfg)  # the history now holds the answer: the second decode drafts it from two stores
-    hook, traces = module.Calibration(), []
-    res = dec.generate(prompt, cfg, hook=lambda t: (hook(t), traces.append(t)))
-    assert res.tokens == plain.tokens
-    tested = sum(sum(1 for n in range(1, len(t.tree_tokens)) if t.tree_parents[n] in set(t.accepted_nodes))
-                 for t in traces)
-    assert len(hook.nodes) == tested > 0
-    assert all(1 <= sources <= 3 for _, sources, _ in hook.nodes) and max(s for _, s, _ in hook.nodes) >= 2
-    assert all(0.0 <= chance <= 1.0 for chance, _, _ in hook.nodes)
-    assert "2 sources" in hook.report()
-
-
 def test_the_native_side_by_side_script_puts_every_store_on_its_python_path(tiny_lm, tmp_path):
-    """scripts/native_ab.py's "python" variant: every store answers through its Python path (no native call made,
+    """tools/native_ab.py's "python" variant: every store answers through its Python path (no native call made,
     the request store hashed again) and the cost model ranks with numpy; a decode on those paths drafts and
     decodes exactly what the native paths do (the same stores' contents, a cost curve that does not move)."""
     from datastores import build_from_token_documents
 
-    module = script("native_ab")
+    module = tool("native_ab")
     prompt = PROMPTS[0]
     plain, brute = store_from_plain(tiny_lm, prompt, 30)
     results = {}

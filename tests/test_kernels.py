@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
 import torch._dynamo
-import torch._inductor.config as inductor
 from transformers import DynamicCache
 
 import rest_core.kernels as kernels
@@ -32,7 +30,7 @@ from rest_core.kernels import (
     tune_linears,
 )
 
-from conftest import make_tiny_lm, script
+from conftest import make_tiny_lm, tool
 from oracle import BruteForceStore
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -304,28 +302,6 @@ def test_the_command_line_knows_the_verify_suite_and_the_side_by_side_switch():
 
 
 @pytest.mark.slow
-def test_the_compile_probe_times_every_mode_side_by_side_and_puts_inductor_back():
-    """scripts/compile_probe.py on a tiny model's MLPs: eager is the reference (no compile time, no
-    difference), compiled layers give eager's numbers to float rounding, every row count is timed per
-    mode, and Inductor's settings are as they were afterwards."""
-    if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
-        pytest.skip("torch.compile on the CPU needs a C++ compiler, and this machine has none")
-    module = script("compile_probe")
-    lm = make_tiny_lm(layers=2)
-    mlps = [layer.mlp for layer in lm.model.model.layers]
-    before = (inductor.max_autotune_gemm_backends, inductor.freezing, torch._dynamo.config.recompile_limit)
-    out = module.measure(mlps, lm.model.config.hidden_size, modes=("eager", "default"), rows=(1, 3), rounds=2)
-    assert set(out) == {"eager", "default"}
-    assert out["eager"]["compile_s"] == 0.0 and out["eager"]["max_diff"] == 0.0
-    assert out["default"]["compile_s"] > 0 and out["default"]["max_diff"] < 1e-4
-    for mode in out.values():
-        assert set(mode["ms"]) == {1, 3} and all(0 < ms < float("inf") for ms in mode["ms"].values())
-    assert (inductor.max_autotune_gemm_backends, inductor.freezing, torch._dynamo.config.recompile_limit) == before
-    with pytest.raises(ValueError, match="unknown mode"):
-        module.measure(mlps, 64, modes=("fast",))
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("why", ["no compiler", "build fails", "switched off"])
 def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why):
     monkeypatch.setattr(native, "_tried", False)  # as in a new process, on a machine where it cannot be built
@@ -407,10 +383,10 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["blocked", "blocked_tall"])
 def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_back(kernel):
-    """scripts/kernel_ab.py: both builds run every size in every round (their calls timed), the logits of the two
+    """tools/kernel_ab.py: both builds run every size in every round (their calls timed), the logits of the two
     compared, and the kernel the layers call afterwards is the one they called before -- for layers on either
     block height (each build's entry point for that height is the one called)."""
-    module = script("kernel_ab")
+    module = tool("kernel_ab")
     lm, _ = tuned_tiny(kernel)  # every layer on this kernel, at every row count
     real = native.current_kernel()  # (blocks read in place, tall blocks)
     tall = kernel == "blocked_tall"
@@ -439,7 +415,7 @@ def test_the_kernel_ab_script_swaps_the_build_pass_by_pass_and_puts_the_kernel_b
 
 
 def test_the_kernel_ab_script_reads_a_revision_of_the_kernel_or_names_what_is_wrong(tmp_path):
-    module = script("kernel_ab")
+    module = tool("kernel_ab")
     path = module.source_at("HEAD", tmp_path)
     assert "rest_lab_panel_linear" in path.read_text()
     with pytest.raises(ValueError, match="no-such-revision.*give a commit that holds the kernel"):

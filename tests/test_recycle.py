@@ -8,8 +8,6 @@ from datastores import DatastoreError, RecycleStore, open_recycle
 from datastores.recycle import PAIR_PRIOR, PAIR_SLOTS, ROW_SCALE, TOKEN_PRIOR
 from rest_core.tree import build_draft_tree
 
-from conftest import script
-
 
 def trained() -> RecycleStore:
     store = RecycleStore(vocab_size=50, k=4)
@@ -213,47 +211,6 @@ def test_a_pairs_slot_is_the_same_whether_hashed_alone_or_with_others():
     for i in last.values():
         row, paired = store.successors(int(prev[i]), int(tok[i]))
         assert paired and row.tolist() == [tok[i], prev[i]]
-
-
-def test_the_successor_replay_counts_pair_and_token_hits_apart():
-    """scripts/successor_replay.py (where the model source's priors come from) on a made-up answer: the
-    pair (1, 2) recurs and is followed by 3 both times; token 2 also appears after 7, followed by 9."""
-    replay_mod = script("successor_replay")
-    prompt, tokens = [1], [2, 3, 7, 2, 9, 1, 2, 3]
-    tops = [[t] + [90 + r for r in range(7)] for t in tokens]  # greedy: rank 0 is the token emitted there
-    out = replay_mod.replay([(prompt, tokens, tops)])
-    # one position after a known pair: the last 3, after (1, 2) as before -- a rank-0 hit, where the token
-    # alone would have missed (after 7, 2 was followed by 9)
-    assert out["pair"][8] == 1 and out["pair"][0] == 1.0 and out["triple"][8] == 0  # no triple recurs
-    # two positions after a known token only: 9 after 2 (3 recorded: a miss), 2 after 1 (a rank-0 hit)
-    assert out["token"][8] == 2 and out["token"][0] == 0.5
-    # one more token, 5 after (2, 3): one chain per step, the pair carries the last one further -- per token
-    # 8 steps for 9 tokens (after 1 comes 2, then 9 was recorded after 2: a miss), pair first 7 (2, then 3
-    # after (1, 2)); every other step drafts nothing that lands
-    chains = replay_mod.replay([(prompt, tokens + [5], tops + [[5] + [90 + r for r in range(7)]])])
-    assert chains["chain tokens/step, keys up to 1"] == round(9 / 8, 3)
-    assert chains["chain tokens/step, keys up to 2"] == round(9 / 7, 3)
-    assert chains["chain tokens/step, keys up to 3"] == round(9 / 7, 3)  # no triple recurs here
-
-
-def test_the_successor_replay_counts_a_triple_that_tells_two_contexts_of_a_pair_apart():
-    """(2, 3) is followed by 4 after 1 and by 8 after 7; when 1 2 3 comes back, the triple says 4 (right)
-    where the pair's latest successor says 8."""
-    replay_mod = script("successor_replay")
-    prompt, tokens = [1], [2, 3, 4, 7, 2, 3, 8, 1, 2, 3, 4]
-    tops = [[t] + [90 + r for r in range(7)] for t in tokens]
-    out = replay_mod.replay([(prompt, tokens, tops)])
-    assert out["triple"][8] == 1 and out["triple"][0] == 1.0  # the last 4, after (1, 2, 3)
-    assert out["pair, no triple"][8] == 2 and out["pair, no triple"][0] == 0.5  # 8 after (2, 3): a miss; 3: a hit
-    # without triples the last 4 is looked up after the pair (2, 3), whose latest successor is 8: a miss
-    assert out["pair"][8] == 3 and out["pair"][0] == round(1 / 3, 3)
-    assert out["token"][8] == 2 and out["token"][0] == 1.0  # 3 after 2, 2 after 1
-    # one more token after the last 4: a chain drafted after (1, 2, 3) carries 4 and lands, so that step
-    # commits two tokens -- 12 tokens in 8 steps; looked up after pairs, 4 is missed (8 kept): 9 steps
-    chains = replay_mod.replay([(prompt, tokens + [9], tops + [[9] + [90 + r for r in range(7)]])])
-    assert chains["chain tokens/step, keys up to 1"] == chains["chain tokens/step, keys up to 2"] == round(12 / 9, 3)
-    assert chains["chain tokens/step, keys up to 3"] == round(12 / 8, 3)
-
 
 
 def test_the_native_draft_is_the_python_paths_row_for_row():

@@ -102,7 +102,7 @@ def current_kernel():
 def use_kernel(fn, tall=None) -> None:
     """Have every blocked layer call `fn` (same arguments as rest_lab_panel_linear), and every layer on tall
     blocks `tall` (`fn` when not given: a build with one entry point serves both): another build of the kernel
-    compared side by side (scripts/kernel_ab.py), or a timing wrapper.  `use_kernel(*current_kernel())` puts
+    compared side by side (tools/kernel_ab.py), or a timing wrapper.  `use_kernel(*current_kernel())` puts
     back what was there."""
     global _kernel, _kernel_tall
     _kernel, _kernel_tall = fn, (fn if tall is None else tall)

@@ -10,8 +10,8 @@ learns each pass's time as it goes, weighs a budget differently, so tokens per p
 variant ms per step, the retrieve and tree phases per step, tokens/s, and per prompt the ratio of tokens/s (median
 over rounds).
 
-    .venv/bin/python scripts/native_ab.py --suite chat --limit 16 --rounds 2
-    .venv/bin/python scripts/native_ab.py --suite humaneval --limit 16 --rounds 2
+    .venv/bin/python tools/native_ab.py --suite chat --limit 16 --rounds 2
+    .venv/bin/python tools/native_ab.py --suite humaneval --limit 16 --rounds 2
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ Every setting starts from the same saved acceptance counts and none saves them. 
 passes, seconds and the committed drafts per source: how many tokens per pass a budget buys, and what it costs
 on this machine in the same run (the settings run one after the other, so the seconds move with the machine).
 
-    .venv/bin/python scripts/budget_sweep.py --settings auto ranked:8 ranked:16 ranked:32
-    .venv/bin/python scripts/budget_sweep.py --suite humaneval --limit 16 --settings auto score:16
+    .venv/bin/python tools/budget_sweep.py --settings auto ranked:8 ranked:16 ranked:32
+    .venv/bin/python tools/budget_sweep.py --suite humaneval --limit 16 --settings auto score:16
 """
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ answer the candidates reach per step; `--show-misses N` prints N of the steps no
 `--model-branching` / `--model-row-scale` let the model's own predictions (source "model") draft wider and
 deeper, to see how much of that ceiling is the candidate count's and the model source's.
 
-    .venv/bin/python scripts/cut_ceiling.py --suite humaneval --limit 16
-    .venv/bin/python scripts/cut_ceiling.py --suite chat --limit 16 --show-misses 30
-    .venv/bin/python scripts/cut_ceiling.py --suite chat --limit 16 --candidates 255
+    .venv/bin/python tools/cut_ceiling.py --suite humaneval --limit 16
+    .venv/bin/python tools/cut_ceiling.py --suite chat --limit 16 --show-misses 30
+    .venv/bin/python tools/cut_ceiling.py --suite chat --limit 16 --candidates 255
 """
 from __future__ import annotations
 

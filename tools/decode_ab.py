@@ -18,9 +18,9 @@ each set-up with its own cache: ms per set-up, each over "before", and this deco
 one-token pass of the same round (the pass-cost ratio the budget choice weighs; paired per round, so a slow
 minute on the shared machine moves both).
 
-    .venv/bin/python scripts/decode_ab.py
-    .venv/bin/python scripts/decode_ab.py --context 64 1024 2048 --new-tokens 64 --rounds 3
-    .venv/bin/python scripts/decode_ab.py --context 64 --new-tokens 8 --rounds 1 --pass-rounds 40
+    .venv/bin/python tools/decode_ab.py
+    .venv/bin/python tools/decode_ab.py --context 64 1024 2048 --new-tokens 64 --rounds 3
+    .venv/bin/python tools/decode_ab.py --context 64 --new-tokens 8 --rounds 1 --pass-rounds 40
 """
 from __future__ import annotations
 

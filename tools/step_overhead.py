@@ -17,9 +17,9 @@ runs one token as a plain step does, and teaches the stores), against the plain 
 the two interleaved prompt by prompt over --rounds rounds, their outputs checked identical: time per step
 from the first step to the last, everything included.
 
-    .venv/bin/python scripts/step_overhead.py --suite chat --limit 8
-    .venv/bin/python scripts/step_overhead.py --suite humaneval --limit 8
-    .venv/bin/python scripts/step_overhead.py --suite chat --limit 8 --never-draft --rounds 2
+    .venv/bin/python tools/step_overhead.py --suite chat --limit 8
+    .venv/bin/python tools/step_overhead.py --suite humaneval --limit 8
+    .venv/bin/python tools/step_overhead.py --suite chat --limit 8 --never-draft --rounds 2
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ the kernel choice measured for the work tree's build (`rest_core.kernels`); wher
 blocked kernel, both builds run the same other kernel.  The two builds' logits are compared on the first
 pass of each size: a change that is meant to reorder nothing should show a difference of 0.
 
-    .venv/bin/python scripts/kernel_ab.py --base HEAD~1
-    .venv/bin/python scripts/kernel_ab.py --base c32da6f~1 --prefix 256 1024 --q 1 8 12 16 24 32 --rounds 15
+    .venv/bin/python tools/kernel_ab.py --base HEAD~1
+    .venv/bin/python tools/kernel_ab.py --base c32da6f~1 --prefix 256 1024 --q 1 8 12 16 24 32 --rounds 15
 """
 from __future__ import annotations
 
