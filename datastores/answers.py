@@ -9,12 +9,15 @@ the end-of-turn token after it, exactly as the ids appear in a chat -- becomes o
 document of a token store whose drafts carry the source name "answers".
 
 The answers are written beside the store as JSONL (request, answer) so a person can read
-what the store holds, and a rebuild of the index reuses them.  Generation needs the
-model, which lives above this package: the caller passes `generate`, a function from a
-batch of prompt id lists to the answer id lists (see rest_core.model.generate_batch).
+what the store holds, and a rebuild of the index reuses them.  The default model's answers also ship
+with the package (`datastores/shipped/`, written by `scripts/ship_answers.py`): a machine whose
+tokenizer is the one they were made with indexes them in a second instead of answering for minutes.
+Generation needs the model, which lives above this package: the caller passes `generate`, a
+function from a batch of prompt id lists to the answer id lists (see rest_core.model.generate_batch).
 """
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +32,7 @@ from datastores.static import TokenDatastore
 
 SOURCE = "answers"
 ANSWERS_FILE = "answers.jsonl"
+SHIPPED = Path(__file__).with_name("shipped")  # answers made once and shipped, one file per model
 BATCH = 32  # requests answered together (more rows per pass: far more tokens per second on a CPU)
 MAX_ANSWER_TOKENS = 256
 
@@ -99,16 +103,23 @@ def _progress(total: int, show: bool):
     return step
 
 
-def build_answers_store(path: str | Path, tokenizer: Any, generate: Generate, prompts: Optional[Sequence[str]] = None,
-                        batch: int = BATCH, max_new_tokens: int = MAX_ANSWER_TOKENS,
-                        progress: bool = True) -> TokenDatastore:
-    """Answer the requests (or reuse the answers kept at path) and index them as a store at path."""
+def build_answers_store(path: str | Path, tokenizer: Any, generate: Optional[Generate],
+                        prompts: Optional[Sequence[str]] = None, batch: int = BATCH,
+                        max_new_tokens: int = MAX_ANSWER_TOKENS, progress: bool = True,
+                        model_name: str = "") -> TokenDatastore:
+    """Answer the requests (or reuse the answers kept at path, or those shipped for `model_name` with this
+    tokenizer) and index them as a store at path.  Without `generate`, only kept or shipped answers will do
+    (DatastoreError otherwise)."""
     path = Path(path)
     prompts = list(answer_prompts() if prompts is None else prompts)
     if not prompts:
         raise DatastoreError("no requests to answer: pass at least one prompt")
-    records = read_answers(path / ANSWERS_FILE, prompts)
+    records = read_answers(path / ANSWERS_FILE, prompts) or shipped_answers(model_name, tokenizer, prompts)
     if records is None:
+        if generate is None:
+            raise DatastoreError(f"the general-text store for {model_name or 'this model'} is not built yet; any "
+                                 "chat decode builds it first (10-25 minutes on 2 CPU cores, once): "
+                                 "`python -m rest_core generate --chat --prompt Hi`")
         if progress:
             print(f"Building the general-text store at {path}: the model answers {len(prompts)} requests "
                   f"(once; up to {max_new_tokens} tokens each)...", flush=True)
@@ -145,6 +156,42 @@ def read_answers(path: Path, prompts: Sequence[str]) -> Optional[list[dict]]:
         isinstance(r, dict) and r.get("prompt") == p and isinstance(r.get("ids"), list)
         and all(isinstance(t, int) and t >= 0 for t in r["ids"]) for r, p in zip(records, prompts))
     return records if ok else None
+
+
+def shipped_path(model_name: str) -> Path:
+    return SHIPPED / f"answers-{safe_file_name(model_name.split('/')[-1])}.jsonl.gz"
+
+
+def shipped_answers(model_name: str, tokenizer: Any, prompts: Sequence[str]) -> Optional[list[dict]]:
+    """The answers shipped for this model (its hub id or local name), when they were made with this very tokenizer
+    and answer exactly these requests; None otherwise.  The file's first line names the models and the tokenizer
+    fingerprint; each further line is one {"prompt", "ids"} record."""
+    path = shipped_path(model_name) if model_name else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        lines = gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()
+        head = json.loads(lines[0])
+        if model_name not in head["models"] or head["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
+            return None
+        records = [json.loads(line) for line in lines[1:] if line.strip()]
+    except (OSError, EOFError, ValueError, KeyError, TypeError, IndexError, DatastoreError):
+        return None
+    for rec in records:
+        rec.setdefault("answer", tokenizer.decode(rec.get("ids") or [], skip_special_tokens=True))
+    ok = len(records) == len(prompts) and all(
+        isinstance(r, dict) and r.get("prompt") == p and isinstance(r.get("ids"), list)
+        and all(isinstance(t, int) and t >= 0 for t in r["ids"]) for r, p in zip(records, prompts))
+    return records if ok else None
+
+
+def write_shipped(model_names: Sequence[str], tokenizer: Any, records: Sequence[dict], out: Path) -> Path:
+    """The shipped file of these answers: a header naming the models and the tokenizer, then {"prompt", "ids"}."""
+    head = {"models": list(model_names), "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "requests": len(records), "made_at": time.strftime("%Y-%m-%d")}
+    lines = [json.dumps(head)] + [json.dumps({"prompt": r["prompt"], "ids": list(r["ids"])}) for r in records]
+    write_atomic(out, gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), mtime=0))
+    return out
 
 
 def open_answers_store(path: str | Path, tokenizer: Any) -> TokenDatastore:

@@ -131,15 +131,12 @@ def _open_or_build_answers(spec: str, model_name: str, tokenizer: Any, generate:
     try:
         return open_answers_store(path, tokenizer)
     except DatastoreError:
-        if generate is None:
-            raise DatastoreError(f"the general-text store for {model_name} is not built yet; any chat decode builds "
-                                 f"it first (10-25 minutes on 2 CPU cores, once): `python -m rest_core generate "
-                                 f"--chat --prompt Hi`") from None
-    with _build_lock(path):
+        pass
+    with _build_lock(path):  # from kept or shipped answers in a second; else the model answers (needs `generate`)
         try:
             return open_answers_store(path, tokenizer)
         except DatastoreError:
-            return build_answers_store(path, tokenizer, generate, progress=progress)
+            return build_answers_store(path, tokenizer, generate, progress=progress, model_name=model_name)
 
 
 def default_history_path(tokenizer: Any) -> Path:

@@ -5,7 +5,14 @@ import json
 
 import pytest
 
-from datastores import DatastoreError, TokenDatastore, assemble_stores, build_from_token_documents, open_answers
+from datastores import (
+    DatastoreError,
+    TokenDatastore,
+    answers,
+    assemble_stores,
+    build_from_token_documents,
+    open_answers,
+)
 from datastores.answer_prompts import answer_prompts
 from datastores.answers import (
     ANSWERS_FILE,
@@ -13,10 +20,12 @@ from datastores.answers import (
     assistant_header,
     build_answers_store,
     end_of_turn,
+    shipped_answers,
+    write_shipped,
 )
 from rest_core.bench.suites import chat_prompts
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
-from rest_core.model import encode_prompt, generate_batch
+from rest_core.model import DEFAULT_HUB_ID, DEFAULT_MODEL, encode_prompt, generate_batch
 
 REQUESTS = ["Write a haiku about tea.", "What is 12 times 7?", "Name three colours of the rainbow."]
 
@@ -79,7 +88,8 @@ def test_the_store_holds_each_answer_as_it_appears_in_a_chat(default_lm, tmp_pat
     assert again.n_tokens == store.n_tokens
 
 
-def test_open_answers_names_what_is_missing_and_builds_once(default_lm, tmp_path):
+def test_open_answers_names_what_is_missing_and_builds_once(default_lm, tmp_path, monkeypatch):
+    monkeypatch.setattr(answers, "SHIPPED", tmp_path / "nothing-shipped")
     tok = default_lm.tokenizer
     assert open_answers("none", default_lm.name, tok) is None
     with pytest.raises(DatastoreError, match="not built yet"):
@@ -123,3 +133,44 @@ def test_two_token_stores_draft_side_by_side_under_their_own_names(tiny_lm, tmp_
     assert res.accepted_by_source.get("answers", 0) > 0
     with pytest.raises(DatastoreError, match="share the source name"):  # a second "static" is refused
         assemble_stores(static=static, answers=TokenDatastore.open(tmp_path / "a"), request=False)
+
+
+class WordTokenizer:
+    """Just a vocabulary: what a fingerprint and a decode need."""
+
+    def __init__(self, words):
+        self.vocab = {w: i for i, w in enumerate(words)}
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def decode(self, ids, skip_special_tokens=False):
+        names = {i: w for w, i in self.vocab.items()}
+        return " ".join(names[i] for i in ids)
+
+
+def test_shipped_answers_count_only_for_their_models_tokenizer_and_requests(tmp_path, monkeypatch):
+    monkeypatch.setattr(answers, "SHIPPED", tmp_path)
+    tok, other = WordTokenizer(["a", "b", "c"]), WordTokenizer(["a", "b", "d"])
+    records = [{"prompt": "p1", "ids": [0, 1]}, {"prompt": "p2", "ids": [2]}]
+    write_shipped(["m", "org/m"], tok, records, answers.shipped_path("m"))
+    got = shipped_answers("m", tok, ["p1", "p2"])
+    assert [r["ids"] for r in got] == [[0, 1], [2]] and got[0]["answer"] == "a b"
+    assert shipped_answers("org/m", tok, ["p1", "p2"]) is not None  # the hub id finds the same file
+    assert shipped_answers("m", other, ["p1", "p2"]) is None  # another tokenizer: its ids mean other text
+    assert shipped_answers("m", tok, ["p1", "p3"]) is None  # other requests
+    assert shipped_answers("n", tok, ["p1", "p2"]) is None  # another model
+    answers.shipped_path("m").write_bytes(b"not gzip")
+    assert shipped_answers("m", tok, ["p1", "p2"]) is None  # damaged: ignored, the model answers instead
+
+
+@pytest.mark.model
+def test_the_default_models_answers_ship_and_index_without_the_model(default_lm, tmp_path):
+    """The shipped answers fit the default tokenizer and today's requests (editing answer_prompts.py without
+    scripts/ship_answers.py fails here), and a fresh cache indexes them without generating anything."""
+    tok = default_lm.tokenizer
+    assert shipped_answers(DEFAULT_HUB_ID, tok, answer_prompts()) is not None
+    store = open_answers("default", DEFAULT_MODEL, tok, generate=None, progress=False)
+    assert store.n_docs == len(answer_prompts()) and store.n_tokens > 50_000
+    kept = [json.loads(line) for line in (store.path / ANSWERS_FILE).read_text().splitlines()]
+    assert [r["prompt"] for r in kept] == answer_prompts()
