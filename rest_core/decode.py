@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from datastores import Lookup, Store
 from rest_core.commit import compact_cache
+from rest_core.hidden import StateTap, model_fingerprint
 from rest_core.kv_cache import new_cache
 from rest_core.model import LoadedModel
 from rest_core.phases import PHASES, PhaseTimer
@@ -272,7 +273,8 @@ class Step:
             accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
             new_tokens=list(self.new_tokens), timings_ms=dict(self.timings_ms),
             **self.node_probs(), uniforms={node: u for node, (u, _) in self.verdict.draws.items()},
-            **_chances_apart(self.budget_choice))
+            **_chances_apart(self.budget_choice),
+            neighbours={lk.source: list(lk.neighbours) for lk in self.lookups if lk.neighbours})
 
 
 def _chances_apart(why: Optional[dict]) -> dict:
@@ -286,8 +288,10 @@ def _chances_apart(why: Optional[dict]) -> dict:
 
 
 def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: Sequence[Store], cfg: DecodeConfig,
-              max_budget: int, chooser: Optional[CostModel], gen: Optional[torch.Generator], room: int) -> Step:
-    """One REST step: retrieve, draft tree, forward, verify, commit.  Extends `context`, `cache` and the stores."""
+              max_budget: int, chooser: Optional[CostModel], gen: Optional[torch.Generator], room: int,
+              taps: Optional[dict[int, StateTap]] = None) -> Step:
+    """One REST step: retrieve, draft tree, forward, verify, commit.  Extends `context`, `cache` and the stores
+    (`taps`: the hidden-state hooks of the stores that draft from the model's state, `state_taps`)."""
     timer = PhaseTimer(sync=(lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else None)
     prefix_len = len(context) - 1
     budget = max(0, min(max_budget, lm.max_positions - prefix_len - 1))
@@ -317,8 +321,33 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
         context.extend(new)
         for store in stores:
             store.extend(new)
+        if taps and len(new) == len(proposed):  # the last accepted node's state predicted the bonus token
+            tell_states(stores, taps, verdict.accepted_nodes[-1], verdict.bonus_token)
     return Step(prefix_len, query, lookups, budget, tree, positions, mask, logits, verdict, new, stop, timer.ms,
                 cfg.sampling, why)
+
+
+def state_taps(lm: LoadedModel, stores: Sequence[Store]) -> dict[int, StateTap]:
+    """A hidden-state hook per layer some store drafts from (`Store.state_layer`); close them when done.  A store
+    built from another model's states refuses this one (its `check_model`, datastores.DatastoreError)."""
+    wanting = [s for s in stores if getattr(s, "state_layer", None) is not None]
+    if wanting:
+        fingerprint = model_fingerprint(lm.model)
+        for store in wanting:
+            check = getattr(store, "check_model", None)
+            if check is not None:
+                check(fingerprint)
+    return {layer: StateTap(lm.model, layer) for layer in sorted({s.state_layer for s in wanting})}
+
+
+def tell_states(stores: Sequence[Store], taps: dict[int, StateTap], row: int, token: int) -> None:
+    """Hand each store that drafts from the model's state the newest pass's state at `row`, which predicted
+    `token` (the newest committed token)."""
+    for store in stores:
+        tap = taps.get(getattr(store, "state_layer", None))
+        state = tap.row(row) if tap is not None else None
+        if state is not None:
+            store.see_state(state, token)
 
 
 def _teach(stores: Sequence[Store], tree: DraftTree, top: np.ndarray, before_root: int) -> None:
@@ -380,14 +409,27 @@ class RestDecoder:
             store.begin(prompt, cfg.retrieve.n_max, cfg.retrieve.n_min)
         if chooser is not None:
             chooser.begin_request()
+        taps = state_taps(lm, self.stores)
+        try:
+            return (yield from self._loop(prompt, cfg, want_trace, update_history, stop_check, room, gen, chooser,
+                                          max_budget, taps))
+        finally:
+            for tap in taps.values():
+                tap.close()
+
+    def _loop(self, prompt, cfg, want_trace, update_history, stop_check, room, gen, chooser, max_budget, taps):
+        lm = self.lm
         start = time.perf_counter()
         cache = prefill(lm, prompt)
         _sync(lm.device)
+        if taps and len(prompt) > 1:  # the prefill's last state predicted the prompt's last token
+            tell_states(self.stores, taps, -1, prompt[-1])
         res = DecodeResult(list(prompt), [], "", 0, 0.0, time.perf_counter() - start, "context",
                            phase_ms={p: 0.0 for p in PHASES})
         context = list(prompt)
         while len(res.tokens) < room:
-            step = rest_step(lm, cache, context, self.stores, cfg, max_budget, chooser, gen, room - len(res.tokens))
+            step = rest_step(lm, cache, context, self.stores, cfg, max_budget, chooser, gen, room - len(res.tokens),
+                             taps)
             keep = stop_check(context, len(step.new_tokens)) if stop_check is not None else None
             if keep is not None and (step.stop is None or keep < len(step.new_tokens)):
                 del step.new_tokens[keep:]

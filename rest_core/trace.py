@@ -63,6 +63,9 @@ class StepTrace:
     # per node: the chance the cost model gave it of being accepted (its path's product; None at the root);
     # empty when no cost model chose
     node_chances: list[Optional[float]] = field(default_factory=list)
+    # per dense source: the (corpus stream position, similarity) of each neighbour its drafts came from,
+    # nearest first (datastores.dense); empty for the text sources
+    neighbours: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     @property
     def draft_size(self) -> int:

@@ -84,9 +84,11 @@ def answer_path(tree: DraftTree, answer: Sequence[int]) -> list[int]:
     return path
 
 
-def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeConfig) -> list[dict]:
+def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeConfig,
+           answers: Optional[list] = None) -> list[dict]:
     """Per step: candidates, kept and accepted drafts, the ranks (0 = first) of the candidates on the answer's
-    path, and the chances the cost model ranked them by (best first)."""
+    path, the chances the cost model ranked them by (best first), and where the step stood (`prompt`: its
+    prompt's index, `at`: the context's length).  `answers` (when given) receives each prompt's answer ids."""
     chooser = decoder.budget_chooser
     if chooser is None:
         raise ValueError("the decoder needs a cost model (budget_chooser) whose cut is to be measured")
@@ -94,10 +96,12 @@ def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeCo
     decoder.budget_chooser = recording
     rows: list[dict] = []
     try:
-        for ids in prompts:
+        for index, ids in enumerate(prompts):
             start = len(recording.seen)
             traces = []
             out = decoder.generate(list(ids), cfg, hook=traces.append)
+            if answers is not None:
+                answers.append(list(out.tokens))
             done = 0
             for trace, (tree, order, chance) in zip(traces, recording.seen[start:], strict=True):
                 rank = {int(n): i for i, n in enumerate(order)}
@@ -105,7 +109,8 @@ def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeCo
                 rows.append({"candidates": int(tree.draft_size), "kept": trace.draft_size,
                              "accepted": trace.accepted_drafts, "ranks": [rank[n] for n in path],
                              "chances": [float(c) for c in chance],
-                             "before": (list(ids) + out.tokens[:done])[-6:], "next": out.tokens[done]})
+                             "before": (list(ids) + out.tokens[:done])[-6:], "next": out.tokens[done],
+                             "prompt": index, "at": len(ids) + done})
                 done += len(trace.new_tokens)
     finally:
         decoder.budget_chooser = chooser

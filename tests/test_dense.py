@@ -1,0 +1,120 @@
+"""The dense source (datastores.dense): exact greedy and exact sampling with its drafts, the neighbours it returns
+against a brute-force search, and stores it must refuse (another model's, damaged)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from datastores import DatastoreError, DenseStore, assemble_stores, build_dense_store
+from datastores.common import SEP
+from datastores.dense import reduce_states
+from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
+from rest_core.hidden import layer_count, model_fingerprint, state_reader
+
+from conftest import make_tiny_lm
+from test_decode import _chi_square_p, _sample_many, _spread_out_case
+
+PROMPT = [5, 9, 69_999, 3]
+
+
+def dense_for(lm, docs, path, dim=16):
+    """A dense store of `lm`'s final-norm states over docs ((ids, first) pairs)."""
+    layer = layer_count(lm.model)
+    return build_dense_store(path, docs, state_reader(lm.model, layer), None,
+                             {"name": lm.name, "fingerprint": model_fingerprint(lm.model)}, layer, dim, progress=False)
+
+
+def own_answers(lm, prompts, n=40):
+    """The model's greedy answers to prompts, each read after its prompt (an ID corpus)."""
+    docs = []
+    for p in prompts:
+        out = plain_generate(lm, p, DecodeConfig(max_new_tokens=n, stop_at_eos=False))
+        docs.append((list(p) + out.tokens, len(p) - 1))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tiny_dense(tiny_lm, tmp_path_factory):
+    rng = np.random.default_rng(0)
+    noise = [(rng.integers(0, 70_000, size=30).tolist(), 0) for _ in range(4)]
+    docs = own_answers(tiny_lm, [PROMPT, [65_536, 65_537, 12], list(range(100, 140))]) + noise
+    return dense_for(tiny_lm, docs, tmp_path_factory.mktemp("dense") / "store")
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [7, 65_536, 65_537, 12], [2, 3]])
+def test_greedy_with_dense_drafts_equals_plain_greedy(tiny_lm, tiny_dense, prompt):
+    plain = plain_generate(tiny_lm, prompt, DecodeConfig(max_new_tokens=40, stop_at_eos=False))
+    traces = []
+    rest = RestDecoder(tiny_lm, stores=assemble_stores(request=False, dense=tiny_dense)).generate(
+        prompt, DecodeConfig(max_new_tokens=40, draft_budget=12, stop_at_eos=False), hook=traces.append)
+    assert rest.tokens == plain.tokens
+    if prompt == PROMPT:  # its answer is in the corpus: the states are near and the drafts accepted
+        assert rest.accepted_by_source.get("dense", 0) >= 20
+        assert rest.steps < plain.steps
+        near = [t.neighbours["dense"] for t in traces if "dense" in t.neighbours]
+        assert near and all(sim > 0.99 for found in near for _, sim in found[:1])
+
+
+def test_the_neighbours_are_the_brute_force_nearest(tiny_dense):
+    store = tiny_dense
+    keys = np.fromfile(store.path / "keys.f16", dtype="<f2").astype(np.float32).reshape(store.tokens.size, -1)
+    valid = np.zeros(store.tokens.size, dtype=bool)
+    valid[:-2] = (store.tokens[:-2] != SEP) & (store.tokens[1:-1] != SEP) & (store.tokens[2:] != SEP)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        state = rng.normal(size=store.mean.shape[0]).astype(np.float32)
+        query = reduce_states(state[None], store.mean, store.axes)[0]
+        sims = keys @ query
+        sims[~valid] = -np.inf
+        nearest = np.argsort(-sims, kind="stable")[:store.neighbours_k]
+        token = int(store.tokens[nearest[rng.integers(0, 8)] + 1])  # a next token some near position has
+        want = [int(p) for p in nearest if store.tokens[p + 1] == token][:store.keep]
+        got, got_sims = store.neighbours(state, token)
+        assert got.tolist() == want
+        np.testing.assert_allclose(got_sims, sims[want], atol=1e-4)
+
+
+def test_sampling_with_dense_drafts_matches_the_exact_distribution(tmp_path):
+    lm, prompt, sampling, expected = _spread_out_case()
+    rng = np.random.default_rng(2)
+    docs = [([*prompt, *rng.integers(0, 4, size=12).tolist()], 1) for _ in range(12)]
+    dense = dense_for(lm, docs, tmp_path / "store", dim=8)
+    runs = 1000
+    stores = assemble_stores(request=False, dense=dense)
+    drafted = []
+    dense.lookup = _counting(dense.lookup, drafted)
+    observed = _sample_many(lm, prompt, sampling, None, runs, 3, stores=stores)
+    assert sum(drafted) > runs  # dense drafts were in the trees
+    assert _chi_square_p(observed, expected, runs) > 1e-3
+
+
+def _counting(lookup, drafted):
+    def wrapped(*args, **kwargs):
+        found = lookup(*args, **kwargs)
+        drafted.append(found.continuations.shape[0] > 0)
+        return found
+    return wrapped
+
+
+def test_a_store_of_another_model_is_refused(tiny_lm, tiny_dense):
+    other = make_tiny_lm(seed=1)
+    with pytest.raises(DatastoreError, match="hidden states of model .* Rebuild it with this model"):
+        DenseStore.open(tiny_dense.path, model_fingerprint=model_fingerprint(other.model))
+    with pytest.raises(DatastoreError, match="not of the model decoding now"):
+        RestDecoder(other, stores=[tiny_dense]).generate(PROMPT, DecodeConfig(max_new_tokens=4))
+    DenseStore.open(tiny_dense.path, model_fingerprint=model_fingerprint(tiny_lm.model))  # its own model: fine
+
+
+def test_a_damaged_store_is_refused_with_the_fix(tiny_lm, tmp_path):
+    store = dense_for(tiny_lm, own_answers(tiny_lm, [PROMPT], n=12), tmp_path / "store")
+    keys = store.path / "keys.f16"
+    data = bytearray(keys.read_bytes())
+    data[10] ^= 0xFF
+    keys.write_bytes(bytes(data))
+    with pytest.raises(DatastoreError, match="damaged.*rebuild"):
+        DenseStore.open(store.path)
+    (store.path / "meta.json").write_text("{not json")
+    with pytest.raises(DatastoreError, match="damaged"):
+        DenseStore.open(store.path)
+    with pytest.raises(DatastoreError, match="not a dense store"):
+        DenseStore.open(tmp_path / "nowhere")
