@@ -101,3 +101,27 @@ def state_reader(model: torch.nn.Module, layer: int, device: torch.device | str 
     """A function from one document's token ids to its (len, d) float32 states at `layer` (for
     datastores.dense.build_dense_store)."""
     return lambda ids: sequence_states(model, [ids], layer, device)[0]
+
+
+def dense_layer(model: torch.nn.Module) -> int:
+    """The hidden state the built-in dense store keeps: the final norm's output (measured against a middle and
+    the last decoder layers in docs/bench/dense-coverage.md)."""
+    return layer_count(model)
+
+
+def open_model_dense(lm, spec: Optional[str] = "default", progress: bool = True):
+    """The dense store `spec` names for this model (datastores.open_dense): 'default' builds the built-in one on
+    first use -- after the general-text store it is made from, which is built first when missing -- 'none'/None:
+    off, else a store folder."""
+    from functools import partial
+
+    from datastores import open_answers, open_dense
+    from rest_core.model import generate_batch
+
+    if spec in (None, "none"):
+        return None
+    layer = dense_layer(lm.model)
+    if spec == "default":  # its corpus is the general-text store's answers
+        open_answers("default", lm.name, lm.tokenizer, generate=partial(generate_batch, lm), progress=progress)
+    return open_dense(spec, lm.name, lm.tokenizer, model_fingerprint(lm.model), layer,
+                      states=state_reader(lm.model, layer, lm.device), progress=progress)

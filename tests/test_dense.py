@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from datastores import DatastoreError, DenseStore, assemble_stores, build_dense_store
 from datastores.common import SEP
@@ -53,6 +54,18 @@ def test_greedy_with_dense_drafts_equals_plain_greedy(tiny_lm, tiny_dense, promp
         assert rest.steps < plain.steps
         near = [t.neighbours["dense"] for t in traces if "dense" in t.neighbours]
         assert near and all(sim > 0.99 for found in near for _, sim in found[:1])
+
+
+def test_custom_generate_with_dense_drafts_is_generates_own_output(tiny_lm, tiny_dense):
+    from rest_core.hf_generate import rest_generate
+
+    ids = torch.tensor([PROMPT])
+    want = tiny_lm.model.generate(ids, max_new_tokens=30, do_sample=False)
+    steps = []
+    got = tiny_lm.model.generate(ids, max_new_tokens=30, do_sample=False, custom_generate=rest_generate,
+                                 datastore=assemble_stores(request=False, dense=tiny_dense), rest_hook=steps.append)
+    assert torch.equal(got, want)
+    assert len(steps) < 20 and any(s.neighbours.get("dense") for s in steps)
 
 
 def test_the_neighbours_are_the_brute_force_nearest(tiny_dense):
