@@ -238,6 +238,7 @@ class Step:
     timings_ms: dict[str, float]
     sampling: Sampling = Sampling()
     budget_choice: Optional[dict] = None  # why the cost model kept what it kept (CostModel.decide)
+    stores: Sequence[Store] = ()  # the stores looked up (a trace reads the dense store's neighbours' text there)
 
     def node_probs(self, k: int = TOP_K) -> dict:
         """The StepTrace probability fields: per node the probability of its token at its parent (None at
@@ -273,8 +274,23 @@ class Step:
             accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
             new_tokens=list(self.new_tokens), timings_ms=dict(self.timings_ms),
             **self.node_probs(), uniforms={node: u for node, (u, _) in self.verdict.draws.items()},
-            **_chances_apart(self.budget_choice),
-            neighbours={lk.source: list(lk.neighbours) for lk in self.lookups if lk.neighbours})
+            **_chances_apart(self.budget_choice), neighbours=_neighbours(self.lookups, self.stores))
+
+
+def _neighbours(lookups: Sequence[Lookup], stores: Sequence[Store], window: int = 12) -> dict:
+    """The StepTrace field `neighbours`: per dense source, each neighbour's stream position, similarity and the
+    tokens around it there (`window` up to and including it, `window` after it), where its store can say."""
+    found = {}
+    for lk, store in zip(lookups, stores):
+        if not lk.neighbours:
+            continue
+        around = getattr(store, "around", None)
+        rows = []
+        for position, similarity in lk.neighbours:
+            before, after = around(position, window, window) if around is not None else ([], [])
+            rows.append({"position": int(position), "similarity": float(similarity), "before": before, "after": after})
+        found[lk.source] = rows
+    return found
 
 
 def _chances_apart(why: Optional[dict]) -> dict:
@@ -324,7 +340,7 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
         if taps and len(new) == len(proposed):  # the last accepted node's state predicted the bonus token
             tell_states(stores, taps, verdict.accepted_nodes[-1], verdict.bonus_token)
     return Step(prefix_len, query, lookups, budget, tree, positions, mask, logits, verdict, new, stop, timer.ms,
-                cfg.sampling, why)
+                cfg.sampling, why, stores)
 
 
 def state_taps(lm: LoadedModel, stores: Sequence[Store]) -> dict[int, StateTap]:

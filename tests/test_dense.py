@@ -53,7 +53,8 @@ def test_greedy_with_dense_drafts_equals_plain_greedy(tiny_lm, tiny_dense, promp
         assert rest.accepted_by_source.get("dense", 0) >= 20
         assert rest.steps < plain.steps
         near = [t.neighbours["dense"] for t in traces if "dense" in t.neighbours]
-        assert near and all(sim > 0.99 for found in near for _, sim in found[:1])
+        assert near and all(found[0]["similarity"] > 0.99 for found in near)
+        assert all(found[0]["before"] and found[0]["after"] for found in near)  # the text around each place
 
 
 def test_custom_generate_with_dense_drafts_is_generates_own_output(tiny_lm, tiny_dense):
@@ -131,3 +132,27 @@ def test_a_damaged_store_is_refused_with_the_fix(tiny_lm, tmp_path):
         DenseStore.open(store.path)
     with pytest.raises(DatastoreError, match="not a dense store"):
         DenseStore.open(tmp_path / "nowhere")
+
+
+def test_a_recorded_step_keeps_the_neighbours_and_the_step_through_shows_them(tiny_lm, tiny_dense, tmp_path):
+    from rest_core.app.replay import explain_step, suffix_html
+    from rest_core.traces.recorder import TraceRecorder
+    from rest_core.traces.rows import step_trace
+
+    recorder = TraceRecorder(tmp_path / "trace.sqlite")
+    run_id = recorder.start_run(model=tiny_lm.name, tokenizer_name="tiny", stores=["dense"], settings={}, prompt="",
+                                prompt_tokens=PROMPT)
+    traces = []
+    hook = recorder.step_hook(run_id, tiny_lm.tokenizer)
+    RestDecoder(tiny_lm, stores=assemble_stores(request=False, dense=tiny_dense)).generate(
+        PROMPT, DecodeConfig(max_new_tokens=20, draft_budget=8, stop_at_eos=False),
+        hook=lambda t: (traces.append(t), hook(t)))
+    index = next(t.step for t in traces if t.neighbours.get("dense"))
+    step = recorder.load_step(run_id, index, mask="torch")
+    near = step["neighbours"]["dense"]
+    assert [n["position"] for n in near] == [n["position"] for n in traces[index].neighbours["dense"]]
+    assert near[0]["similarity"] > 0.99 and near[0]["after_text"] and near[0]["before_text"]
+    assert step_trace(step).neighbours == traces[index].neighbours  # the trace round-trips
+    html = suffix_html(step, {t: f"<{t}>" for t in step["query"]})
+    assert "nearest places" in html and near[0]["after_text"][:6] in html
+    assert "where the model's hidden state had been near" in explain_step(step, {"settings": {}})
