@@ -109,19 +109,22 @@ def dense_layer(model: torch.nn.Module) -> int:
     return layer_count(model)
 
 
-def open_model_dense(lm, spec: Optional[str] = "default", progress: bool = True):
+def open_model_dense(lm, spec: Optional[str] = "default", progress: bool = True, layer: Optional[int] = None,
+                     dim: Optional[int] = None):
     """The dense store `spec` names for this model (datastores.open_dense): 'default' builds the built-in one on
     first use -- after the general-text store it is made from, which is built first when missing -- 'none'/None:
-    off, else a store folder."""
+    off, else a store folder.  `layer` / `dim` (default: `dense_layer`, datastores.dense.DEFAULT_DIM) pick
+    which built-in store."""
     from functools import partial
 
     from datastores import open_answers, open_dense
+    from datastores.dense import DEFAULT_DIM
     from rest_core.model import generate_batch
 
     if spec in (None, "none"):
         return None
-    layer = dense_layer(lm.model)
+    layer = dense_layer(lm.model) if layer is None else layer
     if spec == "default":  # its corpus is the general-text store's answers
         open_answers("default", lm.name, lm.tokenizer, generate=partial(generate_batch, lm), progress=progress)
     return open_dense(spec, lm.name, lm.tokenizer, model_fingerprint(lm.model), layer,
-                      states=state_reader(lm.model, layer, lm.device), progress=progress)
+                      states=state_reader(lm.model, layer, lm.device), dim=dim or DEFAULT_DIM, progress=progress)

@@ -156,3 +156,24 @@ def test_a_recorded_step_keeps_the_neighbours_and_the_step_through_shows_them(ti
     html = suffix_html(step, {t: f"<{t}>" for t in step["query"]})
     assert "nearest places" in html and near[0]["after_text"][:6] in html
     assert "where the model's hidden state had been near" in explain_step(step, {"settings": {}})
+
+
+@pytest.mark.model
+def test_the_command_line_builds_a_dense_store_the_decoder_drafts_from(default_lm, tmp_path, capsys):
+    from rest_core.cli import main
+
+    text = tmp_path / "notes.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 3 + "Water boils at one hundred degrees.")
+    out = tmp_path / "dense"
+    assert main(["datastore", "dense", str(out), "--files", str(text), "--dim", "8", "--quiet"]) == 0
+    assert "dense store" in capsys.readouterr().out
+    store = DenseStore.open(out, tokenizer=default_lm.tokenizer, model_fingerprint=model_fingerprint(default_lm.model))
+    assert store.state_layer == layer_count(default_lm.model) and store.meta["dim"] == 8
+    prompt = default_lm.tokenizer("The quick brown fox jumps over the lazy dog. The quick",
+                                  add_special_tokens=False)["input_ids"]
+    plain = plain_generate(default_lm, prompt, DecodeConfig(max_new_tokens=12, stop_at_eos=False))
+    rest = RestDecoder(default_lm, stores=[store]).generate(prompt, DecodeConfig(max_new_tokens=12, draft_budget=8,
+                                                                                  stop_at_eos=False))
+    assert rest.tokens == plain.tokens
+    assert main(["datastore", "dense", str(out), "--files", str(text)]) == 2  # exists: refused without --force
+    assert "--force" in capsys.readouterr().err
