@@ -90,6 +90,9 @@ def _add_commands(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d.add_argument("--suffix", nargs="+", default=None, metavar="SUFFIX", help="only --files ending so")
     d.add_argument("--jsonl", action="append", default=[], metavar="FILE", help="JSON lines, one document each")
     d.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
+    d.add_argument("--answers", default="default", metavar="STORE",
+                   help="the general-text store whose answers make the default corpus: 'default' (the built-in one) "
+                        "or a store folder built by this model")
     d.add_argument("--model", default=None, help="the model whose states are kept (default: the default model)")
     d.add_argument("--layer", type=int, default=None, help="hidden state number, as transformers counts "
                    "output_hidden_states (default: the final norm's output, the number of decoder layers)")
@@ -180,7 +183,7 @@ def _cmd_dense(args) -> int:
     lm = load_model(args.model)
     layer = args.layer if args.layer is not None else dense_layer(lm.model)
     fingerprint = model_fingerprint(lm.model)
-    if args.out == "default" and not (args.files or args.jsonl):
+    if args.out == "default" and not (args.files or args.jsonl) and args.answers == "default":
         if args.force:
             shutil.rmtree(dense_store_path(lm.name, lm.tokenizer, layer, args.dim), ignore_errors=True)
         print(open_model_dense(lm, "default", progress=not args.quiet, layer=layer, dim=args.dim).describe())
@@ -195,9 +198,11 @@ def _cmd_dense(args) -> int:
                 for source in sources for _, text in source]
         corpus = ", ".join(args.files + args.jsonl)
     else:
-        open_answers("default", lm.name, lm.tokenizer, generate=partial(generate_batch, lm))
-        docs = answer_documents(lm.tokenizer, read_kept_answers(answers_store_path(lm.name, lm.tokenizer)))
-        corpus = "the general-text store's answers"
+        if args.answers == "default":
+            open_answers("default", lm.name, lm.tokenizer, generate=partial(generate_batch, lm))
+        where = answers_store_path(lm.name, lm.tokenizer) if args.answers == "default" else Path(args.answers)
+        docs = answer_documents(lm.tokenizer, read_kept_answers(where))
+        corpus = f"the answers of the general-text store {where.name}"
     store = build_dense_store(out, docs, state_reader(lm.model, layer), lm.tokenizer,
                               {"name": lm.name, "fingerprint": fingerprint}, layer, args.dim,
                               progress=not args.quiet, total=len(docs), corpus=corpus)

@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -58,12 +59,12 @@ def states(lm, seq: Sequence[int], layers: Sequence[int]) -> dict[int, np.ndarra
     return {layer: out.hidden_states[layer][0].numpy().astype(np.float16) for layer in layers}
 
 
-def corpus_docs(lm, name: str, budget: int) -> list[tuple[list[int], int]]:
+def corpus_docs(lm, name: str, budget: int, answers: Optional[Path] = None) -> list[tuple[list[int], int]]:
     """(sequence, first kept position) per document: the states from `first` on are keys, each followed by the
     next token.  answers: the model's answers read after their requests; python: standard-library source."""
     tok = lm.tokenizer
     if name.startswith("answers"):
-        records = read_kept_answers(answers_store_path(lm.name, tok))
+        records = read_kept_answers(answers or answers_store_path(lm.name, tok))
         return answer_documents(tok, records[::2] if name == "answers-half" else records)
     docs, total = [], 0
     for _, text in iter_python_sources([stdlib_root()]):
@@ -149,10 +150,12 @@ def main() -> None:
     ap.add_argument("--dims", type=int, nargs="+", default=[32, 64, 128, 0])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     ap.add_argument("--corpora", nargs="+", default=["answers", "answers-half", "python"])
+    ap.add_argument("--answers", type=Path, default=None, metavar="STORE",
+                    help="the general-text store folder (rest_full's, and the answers corpus; default: the built-in)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     lm = load_model()
-    stores, kind = rest_full_stores(lm, args.suite)
+    stores, kind = rest_full_stores(lm, args.suite, answers=args.answers)
     base = CostModel.for_model(lm, stores=stores, kind=kind)
     chooser = CostModel(times_ms=base.times_ms.copy(), labels=base.labels, kind=kind)
     suite = load_suite(args.suite, lm.tokenizer, limit=args.limit,
@@ -172,7 +175,7 @@ def main() -> None:
     full: list = []  # the answers corpus's states per document, reused for its half
     for corpus in args.corpora:
         t0 = time.perf_counter()
-        docs = corpus_docs(lm, corpus, 90_000)
+        docs = corpus_docs(lm, corpus, 90_000, args.answers)
         read = None
         if corpus == "answers":
             full = [states(lm, seq, args.layers) for seq, _ in docs]

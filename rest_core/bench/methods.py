@@ -66,14 +66,14 @@ DEFAULT_KERNELS = "@default"  # method suffix: run with transformers' default li
 
 
 def rest_full_stores(lm: LoadedModel, suite: str, model: RecycleStore | None = None,
-                     dense: Store | None = None) -> tuple[list[Store], str]:
+                     dense: Store | None = None, answers: str | Path | None = None) -> tuple[list[Store], str]:
     """rest_full's stores for a measurement script, and the kind of text the suite decodes: the Python
-    store, the general-text store in chat, the request store, a history, the model's own predictions (the
-    last two in memory and empty; `model` replaces the default model source, e.g. one drafting wider) and
-    `dense` when given."""
+    store, the general-text store in chat (`answers`: a store folder instead of the built-in one), the request
+    store, a history, the model's own predictions (the last two in memory and empty; `model` replaces the
+    default model source, e.g. one drafting wider) and `dense` when given."""
     chat = suite == "chat"
     stores = assemble_stores(static=open_default_store(lm.tokenizer, progress=False),
-                             answers=open_answers("default", lm.name, lm.tokenizer) if chat else None,
+                             answers=open_answers(str(answers or "default"), lm.name, lm.tokenizer) if chat else None,
                              request=True, history=HistoryStore(path=None),
                              model=model if model is not None else RecycleStore(lm.vocab_size), dense=dense)
     return stores, "chat" if chat else "text"
