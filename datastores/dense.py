@@ -23,7 +23,6 @@ id list to its (len, d) hidden states (rest_core.hidden.sequence_states makes on
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -44,6 +43,7 @@ from datastores.common import (
     write_atomic,
 )
 from datastores.fingerprint import tokenizer_fingerprint
+from datastores.static import full_hash
 
 SOURCE = "dense"
 FORMAT_VERSION = 1
@@ -56,14 +56,6 @@ TEMPERATURE = 0.05  # a neighbour's weight is exp((similarity - best similarity)
 FILES = ("tokens.u32", "keys.f16", "pca.npz")
 
 States = Callable[[Sequence[int]], np.ndarray]  # token ids -> (len, d) hidden states, float32
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fit_pca(states: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -154,7 +146,7 @@ def _write(path: Path, tokens: np.ndarray, keys: np.ndarray, mean: np.ndarray, a
     tokens.astype("<u4").tofile(tmp / "tokens.u32")
     keys.astype("<f2").tofile(tmp / "keys.f16")
     np.savez(tmp / "pca.npz", mean=mean, axes=axes)
-    meta["files"] = {name: _sha256(tmp / name) for name in FILES}
+    meta["files"] = {name: full_hash(tmp / name) for name in FILES}
     write_atomic(tmp / "meta.json", json.dumps(meta, indent=1).encode("utf-8"))
     if path.exists():
         shutil.rmtree(path)
@@ -195,7 +187,7 @@ class DenseStore(StoreBase):
         meta = _read_meta(path)
         for fname, digest in meta["files"].items():
             fpath = path / fname
-            if not fpath.is_file() or _sha256(fpath) != digest:
+            if not fpath.is_file() or full_hash(fpath) != digest:
                 raise DatastoreError(f"{fpath} is missing or does not match its checksum (damaged); rebuild the "
                                      f"store: `python -m rest_core datastore dense {path} --force`")
         built_with = meta["tokenizer"].get("fingerprint")

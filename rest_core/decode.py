@@ -282,11 +282,12 @@ def _neighbours(lookups: Sequence[Lookup], stores: Sequence[Store], window: int 
     tokens around it there (`window` up to and including it, `window` after it), where its store can say."""
     found = {}
     for lk, store in zip(lookups, stores):
-        if not lk.neighbours:
+        near = getattr(lk, "neighbours", None)  # a lookup-like answer of a store of one's own may have none
+        if not near:
             continue
         around = getattr(store, "around", None)
         rows = []
-        for position, similarity in lk.neighbours:
+        for position, similarity in near:
             before, after = around(position, window, window) if around is not None else ([], [])
             rows.append({"position": int(position), "similarity": float(similarity), "before": before, "after": after})
         found[lk.source] = rows
