@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_decode import _chi_square_p, _sample_many, _spread_out_case
 
 from datastores import DatastoreError, DenseStore, assemble_stores, build_dense_store
 from datastores.common import SEP
 from datastores.dense import reduce_states
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
-from rest_core.hidden import layer_count, model_fingerprint, state_reader
+from rest_core.hidden import dense_layer, layer_count, model_fingerprint, state_reader
 
 from conftest import make_tiny_lm
-from test_decode import _chi_square_p, _sample_many, _spread_out_case
 
 PROMPT = [5, 9, 69_999, 3]
 
@@ -69,8 +69,10 @@ def test_custom_generate_with_dense_drafts_is_generates_own_output(tiny_lm, tiny
     assert len(steps) < 20 and any(s.neighbours.get("dense") for s in steps)
 
 
-def test_the_neighbours_are_the_brute_force_nearest(tiny_dense):
+@pytest.mark.parametrize("match_next", [False, True])
+def test_the_neighbours_are_the_brute_force_nearest(tiny_dense, match_next):
     store = tiny_dense
+    store.match_next = match_next
     keys = np.fromfile(store.path / "keys.f16", dtype="<f2").astype(np.float32).reshape(store.tokens.size, -1)
     valid = np.zeros(store.tokens.size, dtype=bool)
     valid[:-2] = (store.tokens[:-2] != SEP) & (store.tokens[1:-1] != SEP) & (store.tokens[2:] != SEP)
@@ -82,10 +84,11 @@ def test_the_neighbours_are_the_brute_force_nearest(tiny_dense):
         sims[~valid] = -np.inf
         nearest = np.argsort(-sims, kind="stable")[:store.neighbours_k]
         token = int(store.tokens[nearest[rng.integers(0, 8)] + 1])  # a next token some near position has
-        want = [int(p) for p in nearest if store.tokens[p + 1] == token][:store.keep]
+        want = [int(p) for p in nearest if store.tokens[p + 1] == token or not match_next][:store.keep]
         got, got_sims = store.neighbours(state, token)
         assert got.tolist() == want
         np.testing.assert_allclose(got_sims, sims[want], atol=1e-4)
+    store.match_next = False
 
 
 def test_sampling_with_dense_drafts_matches_the_exact_distribution(tmp_path):
@@ -168,7 +171,7 @@ def test_the_command_line_builds_a_dense_store_the_decoder_drafts_from(default_l
     assert main(["datastore", "dense", str(out), "--files", str(text), "--dim", "8", "--quiet"]) == 0
     assert "dense store" in capsys.readouterr().out
     store = DenseStore.open(out, tokenizer=default_lm.tokenizer, model_fingerprint=model_fingerprint(default_lm.model))
-    assert store.state_layer == layer_count(default_lm.model) and store.meta["dim"] == 8
+    assert store.state_layer == dense_layer(default_lm.model) and store.meta["dim"] == 8
     prompt = default_lm.tokenizer("The quick brown fox jumps over the lazy dog. The quick",
                                   add_special_tokens=False)["input_ids"]
     plain = plain_generate(default_lm, prompt, DecodeConfig(max_new_tokens=12, stop_at_eos=False))
