@@ -153,10 +153,11 @@ def _answers_line(st: StoreSlot) -> str:
 
 
 def _dense_line(st: StoreSlot) -> str:
-    return {"idle": "", "off": "",
-            "building": "the dense store is being built: the model reads its answers once (under a minute)",
-            "ready": f"dense store ready ({len(st.store):,} positions of the model's hidden states)",
-            "failed": f"⚠ dense store unavailable ({markdown_text(st.error, 200)})"}[st.state]
+    if st.state == "ready":
+        return f"dense store ready ({len(st.store):,} positions of the model's hidden states)"
+    if st.state == "failed":
+        return f"⚠ dense store unavailable ({markdown_text(st.error, 200)})"
+    return "the dense store is being built: the model reads its answers once" if st.state == "building" else ""
 
 
 class Engine:
