@@ -27,7 +27,7 @@ from transformers import DynamicCache
 
 from datastores import Lookup, Store
 from rest_core.commit import compact_cache
-from rest_core.hidden import StateTap, model_fingerprint
+from rest_core.hidden import StateTap, neighbour_windows, state_taps, tell_states
 from rest_core.kv_cache import new_cache
 from rest_core.model import LoadedModel
 from rest_core.phases import PHASES, PhaseTimer
@@ -274,24 +274,7 @@ class Step:
             accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
             new_tokens=list(self.new_tokens), timings_ms=dict(self.timings_ms),
             **self.node_probs(), uniforms={node: u for node, (u, _) in self.verdict.draws.items()},
-            **_chances_apart(self.budget_choice), neighbours=_neighbours(self.lookups, self.stores))
-
-
-def _neighbours(lookups: Sequence[Lookup], stores: Sequence[Store], window: int = 12) -> dict:
-    """The StepTrace field `neighbours`: per dense source, each neighbour's stream position, similarity and the
-    tokens around it there (`window` up to and including it, `window` after it), where its store can say."""
-    found = {}
-    for lk, store in zip(lookups, stores):
-        near = getattr(lk, "neighbours", None)  # a lookup-like answer of a store of one's own may have none
-        if not near:
-            continue
-        around = getattr(store, "around", None)
-        rows = []
-        for position, similarity in near:
-            before, after = around(position, window, window) if around is not None else ([], [])
-            rows.append({"position": int(position), "similarity": float(similarity), "before": before, "after": after})
-        found[lk.source] = rows
-    return found
+            **_chances_apart(self.budget_choice), neighbours=neighbour_windows(self.lookups, self.stores))
 
 
 def _chances_apart(why: Optional[dict]) -> dict:
@@ -342,29 +325,6 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
             tell_states(stores, taps, verdict.accepted_nodes[-1], verdict.bonus_token)
     return Step(prefix_len, query, lookups, budget, tree, positions, mask, logits, verdict, new, stop, timer.ms,
                 cfg.sampling, why, stores)
-
-
-def state_taps(lm: LoadedModel, stores: Sequence[Store]) -> dict[int, StateTap]:
-    """A hidden-state hook per layer some store drafts from (`Store.state_layer`); close them when done.  A store
-    built from another model's states refuses this one (its `check_model`, datastores.DatastoreError)."""
-    wanting = [s for s in stores if getattr(s, "state_layer", None) is not None]
-    if wanting:
-        fingerprint = model_fingerprint(lm.model)
-        for store in wanting:
-            check = getattr(store, "check_model", None)
-            if check is not None:
-                check(fingerprint)
-    return {layer: StateTap(lm.model, layer) for layer in sorted({s.state_layer for s in wanting})}
-
-
-def tell_states(stores: Sequence[Store], taps: dict[int, StateTap], row: int, token: int) -> None:
-    """Hand each store that drafts from the model's state the newest pass's state at `row`, which predicted
-    `token` (the newest committed token)."""
-    for store in stores:
-        tap = taps.get(getattr(store, "state_layer", None))
-        state = tap.row(row) if tap is not None else None
-        if state is not None:
-            store.see_state(state, token)
 
 
 def _teach(stores: Sequence[Store], tree: DraftTree, top: np.ndarray, before_root: int) -> None:

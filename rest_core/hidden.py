@@ -129,3 +129,43 @@ def open_model_dense(lm, spec: Optional[str] = "default", progress: bool = True,
         open_answers("default", lm.name, lm.tokenizer, generate=partial(generate_batch, lm), progress=progress)
     return open_dense(spec, lm.name, lm.tokenizer, model_fingerprint(lm.model), layer,
                       states=state_reader(lm.model, layer, lm.device), dim=dim or DEFAULT_DIM, progress=progress)
+
+
+def state_taps(lm, stores: Sequence) -> dict[int, StateTap]:
+    """A hidden-state hook per layer some store drafts from (`Store.state_layer`); close them when done.  A store
+    built from another model's states refuses this one (its `check_model`, datastores.DatastoreError)."""
+    wanting = [s for s in stores if getattr(s, "state_layer", None) is not None]
+    if wanting:
+        fingerprint = model_fingerprint(lm.model)
+        for store in wanting:
+            check = getattr(store, "check_model", None)
+            if check is not None:
+                check(fingerprint)
+    return {layer: StateTap(lm.model, layer) for layer in sorted({s.state_layer for s in wanting})}
+
+
+def tell_states(stores: Sequence, taps: dict[int, StateTap], row: int, token: int) -> None:
+    """Hand each store that drafts from the model's state the newest pass's state at `row`, which predicted
+    `token` (the newest committed token)."""
+    for store in stores:
+        tap = taps.get(getattr(store, "state_layer", None))
+        state = tap.row(row) if tap is not None else None
+        if state is not None:
+            store.see_state(state, token)
+
+
+def neighbour_windows(lookups: Sequence, stores: Sequence, window: int = 12) -> dict:
+    """The StepTrace field `neighbours`: per dense source, each neighbour's stream position, similarity and the
+    tokens around it there (`window` up to and including it, `window` after it), where its store can say."""
+    found = {}
+    for lk, store in zip(lookups, stores):
+        near = getattr(lk, "neighbours", None)  # a lookup-like answer of a store of one's own may have none
+        if not near:
+            continue
+        around = getattr(store, "around", None)
+        rows = []
+        for position, similarity in near:
+            before, after = around(position, window, window) if around is not None else ([], [])
+            rows.append({"position": int(position), "similarity": float(similarity), "before": before, "after": after})
+        found[lk.source] = rows
+    return found
