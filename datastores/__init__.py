@@ -11,6 +11,8 @@
   successors from the last verify pass that saw it, drafted as a tree (recycled tokens).
 * The general-text store (`open_answers`, `datastores.answers`) -- the model's own answers
   to a varied set of chat requests, a token store whose drafts are named "answers".
+* `DenseStore` -- the model's hidden states over a corpus (the general-text store's answers by default),
+  searched by nearest neighbour; drafts named "dense" (`open_dense`, `datastores.dense`).
 * `assemble_stores` -- the one place a decode's stores are put together; the built-in
   Python store (`open_default_store`) and history (`open_history`) live beside it.
 """
@@ -21,14 +23,17 @@ from datastores.builtin import (
     default_history_path,
     default_recycle_path,
     default_store_path,
+    dense_store_path,
     open_answers,
     open_default_store,
+    open_dense,
     open_history,
     open_recycle,
     open_static_store,
     store_labels,
 )
 from datastores.common import SEP, DatastoreError, Lookup, Store, StoreBase, cache_dir
+from datastores.dense import DenseStore, build_dense_store
 from datastores.dynamic import HistoryStore, RequestStore
 from datastores.fingerprint import check_tokenizer, tokenizer_fingerprint
 from datastores.recycle import RecycleStore
@@ -45,6 +50,7 @@ from datastores.static import TokenDatastore
 __all__ = [
     "SEP",
     "DatastoreError",
+    "DenseStore",
     "DocumentSource",
     "HistoryStore",
     "Lookup",
@@ -57,6 +63,7 @@ __all__ = [
     "assemble_stores",
     "build_answers_store",
     "build_datastore",
+    "build_dense_store",
     "build_from_token_documents",
     "cache_dir",
     "check_tokenizer",
@@ -64,12 +71,14 @@ __all__ = [
     "default_python_roots",
     "default_recycle_path",
     "default_store_path",
+    "dense_store_path",
     "iter_documents",
     "iter_jsonl",
     "iter_python_sources",
     "iter_text_files",
     "open_answers",
     "open_default_store",
+    "open_dense",
     "open_history",
     "open_recycle",
     "open_static_store",

@@ -145,6 +145,35 @@ def index_answers(path: str | Path, tokenizer: Any, records: Sequence[dict]) -> 
     return TokenDatastore.open(path, tokenizer=tokenizer, name=path.name, source=SOURCE)
 
 
+def answer_documents(tokenizer: Any, records: Sequence[dict]) -> list[tuple[list[int], int]]:
+    """Each answer as the model read it in a chat -- its request through the template, the answer, its end-of-turn
+    token -- with the position of the template's last token (the state there predicted the answer's first
+    token): the documents of a dense store over these answers (datastores.dense)."""
+    eot = end_of_turn(tokenizer)
+    docs = []
+    for rec in records:
+        prefix = _chat_ids(tokenizer, rec["prompt"], True)
+        ids = list(rec["ids"])
+        if eot and (not ids or ids[-1] != eot[0]):
+            ids = ids + eot
+        docs.append((prefix + ids, len(prefix) - 1))
+    return docs
+
+
+def read_kept_answers(path: Path) -> list[dict]:
+    """The (request, answer) records kept beside a built general-text store (DatastoreError when there are none)."""
+    try:
+        lines = (Path(path) / ANSWERS_FILE).read_text(encoding="utf-8").splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DatastoreError(f"the general-text store's answers at {path} cannot be read ({exc}); build it first: "
+                             "`python -m rest_core generate --chat --prompt Hi`") from None
+    if not all(isinstance(r, dict) and isinstance(r.get("prompt"), str) and isinstance(r.get("ids"), list)
+               for r in records):
+        raise DatastoreError(f"{path / ANSWERS_FILE} holds records without a prompt or ids: rebuild the store")
+    return records
+
+
 def read_answers(path: Path, prompts: Sequence[str]) -> Optional[list[dict]]:
     """The kept answers when they answer exactly these requests; None otherwise (unreadable, other requests)."""
     try:

@@ -19,9 +19,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
-from datastores.answers import Generate, answers_store_path, build_answers_store, open_answers_store
+from datastores.answers import (
+    Generate,
+    answer_documents,
+    answers_store_path,
+    build_answers_store,
+    open_answers_store,
+    read_kept_answers,
+)
 from datastores.build import build_datastore
 from datastores.common import DatastoreError, Store, cache_dir, safe_file_name
+from datastores.dense import DEFAULT_DIM, DenseStore, States, build_dense_store
 from datastores.dynamic import HistoryStore, RequestStore
 from datastores.fingerprint import tokenizer_fingerprint
 from datastores.recycle import RecycleStore
@@ -139,6 +147,41 @@ def _open_or_build_answers(spec: str, model_name: str, tokenizer: Any, generate:
             return build_answers_store(path, tokenizer, generate, progress=progress, model_name=model_name)
 
 
+def dense_store_path(model_name: str, tokenizer: Any, layer: int, dim: int = DEFAULT_DIM) -> Path:
+    """The built-in dense store of a model: its answers' hidden states at `layer`, reduced to `dim`."""
+    return (cache_dir() / "stores" /
+            f"dense-{safe_file_name(model_name)}-{tokenizer_fingerprint(tokenizer)[:12]}-h{layer}-d{dim}")
+
+
+def open_dense(spec: Optional[str], model_name: str, tokenizer: Any, model_fingerprint: str, layer: int,
+               states: Optional[States] = None, dim: int = DEFAULT_DIM, progress: bool = True) -> Optional[DenseStore]:
+    """The dense store (drafts named "dense"): 'default' -- the built-in one over the general-text store's answers,
+    built on first use (under a minute on 2 cores) when `states` (token ids -> hidden states at `layer`) is
+    given; 'none'/None: off; anything else: a store folder.  A store of another model is refused."""
+    if spec in (None, "none"):
+        return None
+    if spec != "default":
+        return DenseStore.open(spec, tokenizer=tokenizer, model_fingerprint=model_fingerprint)
+    path = dense_store_path(model_name, tokenizer, layer, dim)
+    try:
+        return DenseStore.open(path, tokenizer=tokenizer, model_fingerprint=model_fingerprint)
+    except DatastoreError:
+        if states is None:
+            raise DatastoreError(f"the dense store for {model_name} is not built yet: `python -m rest_core datastore "
+                                 f"dense {path}` builds it (under a minute on 2 cores, once)") from None
+    with _build_lock(path):
+        try:
+            return DenseStore.open(path, tokenizer=tokenizer, model_fingerprint=model_fingerprint)
+        except DatastoreError:
+            pass
+        docs = answer_documents(tokenizer, read_kept_answers(answers_store_path(model_name, tokenizer)))
+        if progress:
+            print(f"Building the dense store at {path}: the model reads its {len(docs)} answers once...", flush=True)
+        model = {"name": model_name, "fingerprint": model_fingerprint}
+        return build_dense_store(path, docs, states, tokenizer, model, layer, dim, progress=progress, total=len(docs),
+                                 corpus="the general-text store's answers")
+
+
 def default_history_path(tokenizer: Any) -> Path:
     return cache_dir() / "history" / f"history-{tokenizer_fingerprint(tokenizer)[:12]}.npz"
 
@@ -177,16 +220,17 @@ def open_recycle(spec: Optional[str], tokenizer: Any, vocab_size: int, model_nam
 
 def assemble_stores(static: Optional[Store] = None, request: bool = True, history: Optional[Store] = None,
                     model: Optional[Store] = None, extra: Sequence[Store] = (), n_max: int = 16,
-                    n_min: int = 2, answers: Optional[Store] = None) -> list[Store]:
+                    n_min: int = 2, answers: Optional[Store] = None, dense: Optional[Store] = None) -> list[Store]:
     """A decode's stores in merge order: static, answers (the general-text store), request (prompt +
-    answer so far), history, the model's own predictions (recycled tokens), then any others.
+    answer so far), history, the model's own predictions (recycled tokens), the dense store (neighbours of the
+    model's hidden state), then any others.
 
     Each source name may appear once: the draft tree, the cost model and the traces tell drafts
     apart by it."""
     stores: list[Store] = [s for s in (static, answers) if s is not None]
     if request:
         stores.append(RequestStore(n_max=n_max, n_min=n_min))
-    stores.extend(s for s in (history, model, *extra) if s is not None)
+    stores.extend(s for s in (history, model, dense, *extra) if s is not None)
     names = [s.source for s in stores]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

@@ -83,6 +83,8 @@ class Lookup:
     matched_len: int  # length of the longest context suffix found (0 = none)
     total_matches: int  # occurrences of that suffix (with a continuation) in the store
     continuations: np.ndarray = field(repr=False)  # (k, L) int64, k <= max_matches
+    # a dense store's answer: the (stream position, similarity) of each neighbour drafted from, nearest first
+    neighbours: list = field(default_factory=list, repr=False)
 
     def __repr__(self) -> str:  # keeps logs short: shape instead of the whole array
         return (f"Lookup(source={self.source!r}, matched_len={self.matched_len}, "
@@ -101,7 +103,10 @@ class Store(Protocol):
     from the model itself sets ``successors_k`` > 0 and gets, after every forward pass,
     each tree node's token with the model's top ``successors_k`` next tokens and the token before
     it (`observe`).
-    A store that does not change while decoding inherits the no-op versions from `StoreBase`.
+    A store that drafts from the model's hidden state sets ``state_layer`` (transformers' numbering of
+    `output_hidden_states`) and gets, after the prefill and after every step, the state at that layer that
+    predicted the newest committed token, with that token (`see_state`): kept from the pass the decoder ran
+    anyway.  A store that does not change while decoding inherits the no-op versions from `StoreBase`.
     """
 
     source: str
@@ -127,6 +132,7 @@ class StoreBase:
 
     source = ""
     successors_k = 0  # > 0: wants the model's top predictions after every tree node (`observe`)
+    state_layer: int | None = None  # not None: wants the model's hidden state at this layer (`see_state`)
 
     def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
         """A request starts with this prompt, looked up with suffixes of n_min..n_max tokens."""
@@ -140,6 +146,9 @@ class StoreBase:
     def observe(self, tokens: np.ndarray, successors: np.ndarray, previous: np.ndarray | None = None) -> None:
         """tokens (q,): a forward pass's tree nodes; successors (q, successors_k): the model's top
         next tokens after each, best first; previous (q,): the token before each node (-1: unknown)."""
+
+    def see_state(self, state: np.ndarray, token: int) -> None:
+        """state (d,): the model's hidden state at `state_layer` that predicted `token`, the newest committed token."""
 
     @property
     def label(self) -> str:

@@ -16,7 +16,7 @@ from datastores import (
     store_labels,
 )
 from rest_core.bench.cli import add_bench_parser
-from rest_core.cli_args import add_decode_arguments, answers_for, decode_config
+from rest_core.cli_args import add_decode_arguments, answers_for, decode_config, dense_for
 from rest_core.compare import first_difference, identical
 from rest_core.cost import CostModel
 from rest_core.datastore_cli import add_datastore_parser
@@ -85,6 +85,7 @@ def build_decoder(args: argparse.Namespace, lm: LoadedModel) -> RestDecoder:
                              request=not args.no_request_store,
                              history=open_history(args.history, lm.tokenizer, cfg.retrieve.n_max, cfg.retrieve.n_min),
                              model=open_recycle(args.model_drafts, lm.tokenizer, lm.vocab_size, lm.name),
+                             dense=dense_for(args, lm, chat=bool(getattr(args, "chat", False))),
                              n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
     auto = cfg.draft_budget is None  # a fixed budget needs no cost curve
     kind = "chat" if getattr(args, "chat", False) else "text"  # acceptance is learned per kind of text

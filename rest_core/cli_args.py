@@ -5,8 +5,9 @@ import argparse
 from functools import partial
 from typing import Optional
 
-from datastores import TokenDatastore, open_answers
+from datastores import DenseStore, TokenDatastore, open_answers
 from rest_core.decode import DecodeConfig
+from rest_core.hidden import open_model_dense
 from rest_core.model import LoadedModel, generate_batch
 from rest_core.retrieve import MAX_MATCHES, RetrieveSettings
 from rest_core.sampling import Sampling
@@ -25,6 +26,10 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--answers", default="auto",
                    help="the general-text store (the model's own answers to varied requests, built once per model "
                         "on first use): 'auto' (default: with chat prompts only), 'default', 'none', or a store folder")
+    g.add_argument("--dense", default="auto",
+                   help="the dense store (the model's hidden states over the general-text store's answers, searched "
+                        "for the places nearest the model's state now; built once per model): 'auto' (default: with "
+                        "chat prompts only), 'default', 'none', or a store folder")
     g.add_argument("--no-request-store", action="store_true", help="do not draft from the prompt and answer so far")
     g.add_argument("--history", default="none",
                    help="'none' (default), 'default' (persisted past answers) or a history file")
@@ -72,3 +77,12 @@ def answers_for(args: argparse.Namespace, lm: LoadedModel, chat: bool) -> Option
     if spec == "auto":
         spec = "default" if chat and getattr(lm.tokenizer, "chat_template", None) else "none"
     return open_answers(spec, lm.name, lm.tokenizer, generate=partial(generate_batch, lm))
+
+
+def dense_for(args: argparse.Namespace, lm: LoadedModel, chat: bool) -> Optional[DenseStore]:
+    """The dense store --dense asks for ('auto': the built-in one for chat prompts only), built now (with the
+    general-text store it reads, when missing) the first time."""
+    spec = getattr(args, "dense", "auto")
+    if spec == "auto":
+        spec = "default" if chat and getattr(lm.tokenizer, "chat_template", None) else "none"
+    return open_model_dense(lm, spec)

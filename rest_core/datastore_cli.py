@@ -9,6 +9,7 @@ the library itself never imports rest_core.
                                    [--tokenizer default|FOLDER|HUB_ID] [--max-tokens N] [--force] [--resume]
     python -m rest_core datastore info PATH [--verify]
     python -m rest_core datastore bench STORE [--heldout PATH ...] [--tokenizer ...] [--contexts 2000]
+    python -m rest_core datastore dense OUT [--files PATH ... | --jsonl FILE ...] [--layer N] [--dim 64] [--force]
 
 Every expected failure is a DatastoreError printed as one ``error:`` line (exit 2).
 """
@@ -16,16 +17,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
-from datastores import DatastoreError, TokenDatastore, build_datastore, check_tokenizer
+from datastores import (
+    DatastoreError,
+    TokenDatastore,
+    answers_store_path,
+    build_datastore,
+    build_dense_store,
+    check_tokenizer,
+    dense_store_path,
+    open_answers,
+)
+from datastores.answers import answer_documents, read_kept_answers
+from datastores.dense import DEFAULT_DIM
 from datastores.microbench import bench_store, format_report, read_heldout
 from datastores.sources import iter_jsonl, iter_python_sources, iter_text_files, site_packages_roots, stdlib_root
+from rest_core.hidden import dense_layer, model_fingerprint, open_model_dense, state_reader
+from rest_core.model import generate_batch, load_model
 from rest_core.model import load_tokenizer as load_model_tokenizer
 
 if TYPE_CHECKING:
@@ -66,6 +82,24 @@ def _add_commands(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="describe a store")
     i.add_argument("path")
     i.add_argument("--verify", action="store_true", help="also check every file's full checksum")
+
+    d = sub.add_parser("dense", help="run the model over a corpus once and keep its hidden states (a dense store)")
+    d.add_argument("out", help="directory to create (replaced only with --force); 'default': the built-in one")
+    d.add_argument("--files", nargs="+", default=[], metavar="PATH", help="text files or folders (default corpus: "
+                   "the general-text store's answers, each read after its request, built first when missing)")
+    d.add_argument("--suffix", nargs="+", default=None, metavar="SUFFIX", help="only --files ending so")
+    d.add_argument("--jsonl", action="append", default=[], metavar="FILE", help="JSON lines, one document each")
+    d.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
+    d.add_argument("--answers", default="default", metavar="STORE",
+                   help="the general-text store whose answers make the default corpus: 'default' (the built-in one) "
+                        "or a store folder built by this model")
+    d.add_argument("--model", default=None, help="the model whose states are kept (default: the default model)")
+    d.add_argument("--layer", type=int, default=None, help="hidden state number, as transformers counts "
+                   "output_hidden_states (default: the final norm's output, the number of decoder layers)")
+    d.add_argument("--dim", type=int, default=DEFAULT_DIM, help=f"PCA dimensions kept (default {DEFAULT_DIM})")
+    d.add_argument("--max-tokens", type=int, default=1024, help="tokens read per document (default 1024)")
+    d.add_argument("--force", action="store_true", help="replace an existing store at OUT")
+    d.add_argument("--quiet", action="store_true", help="no progress line")
 
     m = sub.add_parser("bench", help="lookup latency percentiles")
     m.add_argument("store")
@@ -145,10 +179,41 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_dense(args) -> int:
+    lm = load_model(args.model)
+    layer = args.layer if args.layer is not None else dense_layer(lm.model)
+    fingerprint = model_fingerprint(lm.model)
+    if args.out == "default" and not (args.files or args.jsonl) and args.answers == "default":
+        if args.force:
+            shutil.rmtree(dense_store_path(lm.name, lm.tokenizer, layer, args.dim), ignore_errors=True)
+        print(open_model_dense(lm, "default", progress=not args.quiet, layer=layer, dim=args.dim).describe())
+        return 0
+    out = Path(dense_store_path(lm.name, lm.tokenizer, layer, args.dim) if args.out == "default" else args.out)
+    if out.exists() and not args.force:
+        raise DatastoreError(f"{out} exists: pass --force to replace it")
+    if args.files or args.jsonl:
+        sources = [iter_text_files(args.files, args.suffix)] if args.files else []
+        sources.extend(iter_jsonl(f, args.field) for f in args.jsonl)
+        docs = [(lm.tokenizer(text, add_special_tokens=False)["input_ids"][:args.max_tokens], 0)
+                for source in sources for _, text in source]
+        corpus = ", ".join(args.files + args.jsonl)
+    else:
+        if args.answers == "default":
+            open_answers("default", lm.name, lm.tokenizer, generate=partial(generate_batch, lm))
+        where = answers_store_path(lm.name, lm.tokenizer) if args.answers == "default" else Path(args.answers)
+        docs = answer_documents(lm.tokenizer, read_kept_answers(where))
+        corpus = f"the answers of the general-text store {where.name}"
+    store = build_dense_store(out, docs, state_reader(lm.model, layer), lm.tokenizer,
+                              {"name": lm.name, "fingerprint": fingerprint}, layer, args.dim,
+                              progress=not args.quiet, total=len(docs), corpus=corpus)
+    print(store.describe())
+    return 0
+
+
 def run_datastore(args: argparse.Namespace) -> int:
     """Run a parsed datastore command; expected failures print one `error:` line (exit 2)."""
     try:
-        return {"build": _cmd_build, "info": _cmd_info, "bench": _cmd_bench}[args.cmd](args)
+        return {"build": _cmd_build, "info": _cmd_info, "bench": _cmd_bench, "dense": _cmd_dense}[args.cmd](args)
     except DatastoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from datastores import Lookup, Store
 from rest_core.commit import compact_cache
+from rest_core.hidden import StateTap, neighbour_windows, state_taps, tell_states
 from rest_core.kv_cache import new_cache
 from rest_core.model import LoadedModel
 from rest_core.phases import PHASES, PhaseTimer
@@ -237,6 +238,7 @@ class Step:
     timings_ms: dict[str, float]
     sampling: Sampling = Sampling()
     budget_choice: Optional[dict] = None  # why the cost model kept what it kept (CostModel.decide)
+    stores: Sequence[Store] = ()  # the stores looked up (a trace reads the dense store's neighbours' text there)
 
     def node_probs(self, k: int = TOP_K) -> dict:
         """The StepTrace probability fields: per node the probability of its token at its parent (None at
@@ -272,7 +274,7 @@ class Step:
             accepted_nodes=list(verdict.accepted_nodes), bonus_token=int(verdict.bonus_token),
             new_tokens=list(self.new_tokens), timings_ms=dict(self.timings_ms),
             **self.node_probs(), uniforms={node: u for node, (u, _) in self.verdict.draws.items()},
-            **_chances_apart(self.budget_choice))
+            **_chances_apart(self.budget_choice), neighbours=neighbour_windows(self.lookups, self.stores))
 
 
 def _chances_apart(why: Optional[dict]) -> dict:
@@ -286,8 +288,10 @@ def _chances_apart(why: Optional[dict]) -> dict:
 
 
 def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: Sequence[Store], cfg: DecodeConfig,
-              max_budget: int, chooser: Optional[CostModel], gen: Optional[torch.Generator], room: int) -> Step:
-    """One REST step: retrieve, draft tree, forward, verify, commit.  Extends `context`, `cache` and the stores."""
+              max_budget: int, chooser: Optional[CostModel], gen: Optional[torch.Generator], room: int,
+              taps: Optional[dict[int, StateTap]] = None) -> Step:
+    """One REST step: retrieve, draft tree, forward, verify, commit.  Extends `context`, `cache` and the stores
+    (`taps`: the hidden-state hooks of the stores that draft from the model's state, `state_taps`)."""
     timer = PhaseTimer(sync=(lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else None)
     prefix_len = len(context) - 1
     budget = max(0, min(max_budget, lm.max_positions - prefix_len - 1))
@@ -317,8 +321,10 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
         context.extend(new)
         for store in stores:
             store.extend(new)
+        if taps and len(new) == len(proposed):  # the last accepted node's state predicted the bonus token
+            tell_states(stores, taps, verdict.accepted_nodes[-1], verdict.bonus_token)
     return Step(prefix_len, query, lookups, budget, tree, positions, mask, logits, verdict, new, stop, timer.ms,
-                cfg.sampling, why)
+                cfg.sampling, why, stores)
 
 
 def _teach(stores: Sequence[Store], tree: DraftTree, top: np.ndarray, before_root: int) -> None:
@@ -380,14 +386,27 @@ class RestDecoder:
             store.begin(prompt, cfg.retrieve.n_max, cfg.retrieve.n_min)
         if chooser is not None:
             chooser.begin_request()
+        taps = state_taps(lm, self.stores)
+        try:
+            return (yield from self._loop(prompt, cfg, want_trace, update_history, stop_check, room, gen, chooser,
+                                          max_budget, taps))
+        finally:
+            for tap in taps.values():
+                tap.close()
+
+    def _loop(self, prompt, cfg, want_trace, update_history, stop_check, room, gen, chooser, max_budget, taps):
+        lm = self.lm
         start = time.perf_counter()
         cache = prefill(lm, prompt)
         _sync(lm.device)
+        if taps and len(prompt) > 1:  # the prefill's last state predicted the prompt's last token
+            tell_states(self.stores, taps, -1, prompt[-1])
         res = DecodeResult(list(prompt), [], "", 0, 0.0, time.perf_counter() - start, "context",
                            phase_ms={p: 0.0 for p in PHASES})
         context = list(prompt)
         while len(res.tokens) < room:
-            step = rest_step(lm, cache, context, self.stores, cfg, max_budget, chooser, gen, room - len(res.tokens))
+            step = rest_step(lm, cache, context, self.stores, cfg, max_budget, chooser, gen, room - len(res.tokens),
+                             taps)
             keep = stop_check(context, len(step.new_tokens)) if stop_check is not None else None
             if keep is not None and (step.stop is None or keep < len(step.new_tokens)):
                 del step.new_tokens[keep:]

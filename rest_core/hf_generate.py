@@ -16,8 +16,10 @@ callable, pass `stopping_criteria=[StopStringCriteria(tokenizer, strings)]`.)
                          datastore=store)           # a Store, or a list of them used as they are
 
 Extra arguments (passed to generate() by name): `datastore` (a static store, drafted from beside
-the request store and the model's own predictions; or a list of stores, used as they are;
-default: request store and model's predictions), `rest_budget` (draft nodes per step; default 16),
+the request store and the model's own predictions; or a list of stores, used as they are -- a dense
+store among them, datastores.DenseStore built with this model, drafts from the neighbours of the hidden
+state this loop keeps from every pass; default: request store and model's predictions), `rest_budget`
+(draft nodes per step; default 16),
 `rest_hook` (called with a StepTrace per step), `rest_streamer` (a streamer: transformers hands
 `streamer=` only to the Hub-folder form, custom_generate/generate.py, which passes it on as this).
 One sequence at a time (batch size 1).

@@ -63,6 +63,10 @@ class StepTrace:
     # per node: the chance the cost model gave it of being accepted (its path's product; None at the root);
     # empty when no cost model chose
     node_chances: list[Optional[float]] = field(default_factory=list)
+    # per dense source (datastores.dense): each neighbour its drafts came from, nearest first, as {"position": its
+    # place in the store's token stream, "similarity", "before": the token ids up to and including it, "after":
+    # the ids that followed it there}; empty for the text sources
+    neighbours: dict[str, list[dict]] = field(default_factory=dict)
 
     @property
     def draft_size(self) -> int:

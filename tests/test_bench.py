@@ -38,8 +38,8 @@ from conftest import ROOT, make_tiny_lm
 
 PROMPTS = [(5, 6, 7, 5, 6, 7, 5, 6), (11, 12, 13, 14, 11, 12)]
 # the methods a run without the general-text store runs by default
-GREEDY = tuple(m for m in GREEDY_METHODS if m != "rest_answers")
-SAMPLING = tuple(m for m in SAMPLING_METHODS if m != "rest_answers")
+GREEDY = tuple(m for m in GREEDY_METHODS if m not in ("rest_answers", "rest_dense"))
+SAMPLING = tuple(m for m in SAMPLING_METHODS if m not in ("rest_answers", "rest_dense"))
 TINY_TOKENIZER = {"name": "tiny", "fingerprint": None, "vocab_size": 70_000}
 
 
@@ -219,6 +219,30 @@ def test_rest_answers_drafts_from_the_general_text_store_only(lm, store, tmp_pat
     res = run_benchmark(lm, _prompts()[:1], DecodeConfig(max_new_tokens=2), None, store, None, png=False,
                         progress=False)
     assert "rest_answers" not in res["settings"]["methods"]
+
+
+def test_rest_dense_drafts_from_the_dense_store_only_and_rest_full_with_it(lm, tmp_path):
+    from datastores import build_dense_store
+    from rest_core.hidden import layer_count, model_fingerprint, state_reader
+
+    cfg = DecodeConfig(max_new_tokens=12)
+    docs = [(list(p) + plain_generate(lm, p, cfg).tokens, len(p) - 1) for p in PROMPTS]
+    layer = layer_count(lm.model)
+    dense = build_dense_store(tmp_path / "dense", docs, state_reader(lm.model, layer), None,
+                              {"name": lm.name, "fingerprint": model_fingerprint(lm.model)}, layer, 8, progress=False)
+    out = tmp_path / "out"
+    res = run_benchmark(lm, _prompts(), cfg, ["plain", "rest_dense", "rest_full"], None, out, png=False,
+                        progress=False, dense_store=dense)
+    recs = {m: [r for r in res["records"] if r["method"] == m] for m in ("rest_dense", "rest_full")}
+    assert all(r["sources"] == ["dense"] for r in recs["rest_dense"])
+    assert all(r["sources"][-1] == "dense" for r in recs["rest_full"])
+    assert sum(r["accepted_by_source"].get("dense", 0) for r in recs["rest_dense"]) > 0
+    for r in recs["rest_dense"] + recs["rest_full"]:
+        assert r["tokens"] == plain_generate(lm, PROMPTS[r["prompt_index"]], cfg).tokens
+    assert res["settings"]["dense_store"]["positions"] == len(dense)
+    assert "| rest_dense | dense |" in (out / "results.md").read_text()
+    with pytest.raises(ValueError, match="rest_dense needs the dense store"):
+        MethodRunner(lm, None, cfg, ["rest_dense"])
 
 
 def test_each_model_source_method_learns_its_own_table_from_empty(lm, store):

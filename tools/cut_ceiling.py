@@ -22,11 +22,13 @@ is reported first: how often the answer's next token is among no candidate at al
 answer the candidates reach per step; `--show-misses N` prints N of the steps no candidate covered.
 `--candidates` hands the cost model more of the merged tree than the decoder's 63 nodes, and
 `--model-branching` / `--model-row-scale` let the model's own predictions (source "model") draft wider and
-deeper, to see how much of that ceiling is the candidate count's and the model source's.
+deeper, to see how much of that ceiling is the candidate count's and the model source's; `--dense default` adds
+the dense store and reports how many of the steps the text sources miss it covers.
 
     .venv/bin/python tools/cut_ceiling.py --suite humaneval --limit 16
     .venv/bin/python tools/cut_ceiling.py --suite chat --limit 16 --show-misses 30
     .venv/bin/python tools/cut_ceiling.py --suite chat --limit 16 --candidates 255
+    .venv/bin/python tools/cut_ceiling.py --suite chat --limit 16 --dense default
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
 from rest_core.cost import CANDIDATE_BUDGETS, MAX_CHANCE, CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
+from rest_core.hidden import open_model_dense
 from rest_core.machine import cpu_info
 from rest_core.model import load_model
 from rest_core.tree import DraftTree
@@ -84,9 +87,11 @@ def answer_path(tree: DraftTree, answer: Sequence[int]) -> list[int]:
     return path
 
 
-def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeConfig) -> list[dict]:
+def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeConfig,
+           answers: Optional[list] = None) -> list[dict]:
     """Per step: candidates, kept and accepted drafts, the ranks (0 = first) of the candidates on the answer's
-    path, and the chances the cost model ranked them by (best first)."""
+    path, the chances the cost model ranked them by (best first), and where the step stood (`prompt`: its
+    prompt's index, `at`: the context's length).  `answers` (when given) receives each prompt's answer ids."""
     chooser = decoder.budget_chooser
     if chooser is None:
         raise ValueError("the decoder needs a cost model (budget_chooser) whose cut is to be measured")
@@ -94,10 +99,12 @@ def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeCo
     decoder.budget_chooser = recording
     rows: list[dict] = []
     try:
-        for ids in prompts:
+        for index, ids in enumerate(prompts):
             start = len(recording.seen)
             traces = []
             out = decoder.generate(list(ids), cfg, hook=traces.append)
+            if answers is not None:
+                answers.append(list(out.tokens))
             done = 0
             for trace, (tree, order, chance) in zip(traces, recording.seen[start:], strict=True):
                 rank = {int(n): i for i, n in enumerate(order)}
@@ -105,7 +112,10 @@ def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeCo
                 rows.append({"candidates": int(tree.draft_size), "kept": trace.draft_size,
                              "accepted": trace.accepted_drafts, "ranks": [rank[n] for n in path],
                              "chances": [float(c) for c in chance],
-                             "before": (list(ids) + out.tokens[:done])[-6:], "next": out.tokens[done]})
+                             "before": (list(ids) + out.tokens[:done])[-6:], "next": out.tokens[done],
+                             "prompt": index, "at": len(ids) + done,
+                             "holders": sorted({b.source for b in trace.branches
+                                                if b.tokens and b.tokens[0] == out.tokens[done]})})
                 done += len(trace.new_tokens)
     finally:
         decoder.budget_chooser = chooser
@@ -201,11 +211,30 @@ def coverage(rows: Sequence[dict]) -> list[str]:
             f"where they hold the next one, the cost model ranked it within its {ranked}"]
 
 
+def by_source(rows: Sequence[dict]) -> list[str]:
+    """Per draft source, the share of steps whose next token it retrieved (the first token of one of its
+    continuations, before the tree is cut to its candidates), and for the dense source the share of the steps
+    no other source's continuations covered that it covers."""
+    names = sorted({s for r in rows for s in r.get("holders", ())})
+    if not names:
+        return []
+    lines = ["the answer's next token as the first token of a source's continuations: "
+             + ", ".join(f"{s} {np.mean([s in r['holders'] for r in rows]):.1%}" for s in names)]
+    if "dense" in names:
+        text_miss = [r for r in rows if not set(r["holders"]) - {"dense"}]
+        covered = np.mean(["dense" in r["holders"] for r in text_miss]) if text_miss else 0.0
+        lines.append(f"steps no text source's continuations cover: {len(text_miss) / len(rows):.1%}; the dense "
+                     f"source covers {covered:.1%} of them; uncovered with it: "
+                     f"{np.mean([not r['holders'] for r in rows]):.1%}")
+    return lines
+
+
 def report(rows: Sequence[dict], forward_ms: Callable) -> list[str]:
     lines = [f"{len(rows)} steps, candidates per step {np.mean([r['candidates'] for r in rows]):.1f}, kept "
              f"{np.mean([r['kept'] for r in rows]):.2f}; cost curve x one token at 2/4/8/16: "
              + " / ".join(f"{forward_ms(q) / forward_ms(1):.2f}" for q in (2, 4, 8, 16))]
     lines += coverage(rows)
+    lines += by_source(rows)
     recorded = replay(rows, forward_ms, lambda r: r["kept"])
     lines.append(f"recorded choice: {recorded[0]:.3f} tokens per pass, {recorded[1]:.3f}x on the curve")
     def line(label: str, found: tuple[float, float]) -> str:
@@ -241,12 +270,15 @@ def main() -> None:
     ap.add_argument("--candidates", type=int, default=CostModel.max_budget, metavar="N",
                     help=f"nodes of the candidate tree each step hands the cost model (default {CostModel.max_budget}, "
                          "the decoder's; the cost model keeps at most its largest budget of them)")
+    ap.add_argument("--dense", default="none", metavar="SPEC",
+                    help="add a dense store to rest_full's stores: 'default' (the built-in one, built when missing), "
+                         "a store folder, or 'none' (default)")
     ap.add_argument("--show-misses", type=int, default=0, metavar="N",
                     help="print N steps (drawn at random, seed 0) whose next token was among no candidate")
     args = ap.parse_args()
     lm = load_model()
     model = RecycleStore(lm.vocab_size, branching=args.model_branching, row_scale=args.model_row_scale)
-    stores, kind = rest_full_stores(lm, args.suite, model=model)
+    stores, kind = rest_full_stores(lm, args.suite, model=model, dense=open_model_dense(lm, args.dense))
     base = CostModel.for_model(lm, stores=stores, kind=kind)
     chooser = CostModel(times_ms=base.times_ms.copy(), labels=base.labels, kind=kind,  # counts from empty
                         max_budget=args.candidates)

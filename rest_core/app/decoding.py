@@ -85,6 +85,12 @@ def answers_store_for(engine: Engine, slot: ModelSlot, settings: Settings) -> An
     return st.store if st.state == "ready" else None
 
 
+def dense_store_for(slot: ModelSlot, settings: Settings) -> Any:
+    """The dense store (the general-text store's answers, read by the model's hidden state) when it is ready and
+    the settings ask for the general-text store: it drafts from the same answers, by meaning."""
+    return slot.dense.store if settings.use_answers and slot.dense.state == "ready" else None
+
+
 def make_decoder(engine: Engine, slot: ModelSlot, session: Session, settings: Settings,
                  cfg: DecodeConfig) -> tuple[RestDecoder, str]:
     """The decoder over the stores the settings switch on (and a notice for the page)."""
@@ -93,7 +99,8 @@ def make_decoder(engine: Engine, slot: ModelSlot, session: Session, settings: Se
     history = session.history_store(slot.lm.name, cfg) if settings.history_store else None
     model = session.recycle_store(slot.lm) if settings.model_drafts else None
     stores = assemble_stores(static=static, answers=answers, request=settings.request_store, history=history,
-                             model=model, n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
+                             model=model, dense=dense_store_for(slot, settings), n_max=cfg.retrieve.n_max,
+                             n_min=cfg.retrieve.n_min)
     chooser = slot.chooser(stores, kind="chat" if settings.mode == "chat" else "text") \
         if cfg.draft_budget is None else None
     return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser), notice

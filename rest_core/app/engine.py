@@ -25,6 +25,7 @@ from rest_core.app.policy import Policy, markdown_text
 from rest_core.app.settings import MAX_MODELS, log, message_of
 from rest_core.app.turns import Turns
 from rest_core.cost import CostModel
+from rest_core.hidden import open_model_dense
 from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, generate_batch, load_model, load_tokenizer
 from rest_core.traces.recorder import TraceRecorder, default_db_path
 
@@ -60,6 +61,7 @@ class ModelSlot:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one decode at a time on this model
     static: StoreSlot = field(default_factory=StoreSlot)
     answers: StoreSlot = field(default_factory=StoreSlot)  # the general-text store (the model's own answers)
+    dense: StoreSlot = field(default_factory=StoreSlot)  # the dense store over those answers (hidden states)
     costs: dict[tuple[str, ...], Any] = field(default_factory=dict)  # (kind, *store labels) -> budget chooser
     _cost_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -111,6 +113,14 @@ def default_answers_factory(slot: ModelSlot, pause: Callable[[], None], st: Stor
     return open_answers("default", lm.name, lm.tokenizer, generate=generate, progress=False)
 
 
+def default_dense_factory(slot: ModelSlot) -> Any:
+    """The dense store of this model (its hidden states over the general-text store's answers): opened, or built
+    once (the model reads its answers, under a minute on 2 cores).  REST_LAB_DENSE=none turns it off."""
+    if os.environ.get("REST_LAB_DENSE", "").strip().lower() in ("none", "off", "0"):
+        return None
+    return open_model_dense(slot.lm, "default", progress=False)
+
+
 def _store_build_dir(tokenizer: Any) -> Optional[Path]:
     try:
         return default_store_path(tokenizer)
@@ -142,6 +152,14 @@ def _answers_line(st: StoreSlot) -> str:
     }[st.state]
 
 
+def _dense_line(st: StoreSlot) -> str:
+    if st.state == "ready":
+        return f"dense store ready ({len(st.store):,} positions of the model's hidden states)"
+    if st.state == "failed":
+        return f"⚠ dense store unavailable ({markdown_text(st.error, 200)})"
+    return "the dense store is being built: the model reads its answers once" if st.state == "building" else ""
+
+
 class Engine:
     """Models and the built-in store, shared by all sessions of one server.
 
@@ -153,7 +171,8 @@ class Engine:
                  store_factory: Callable[[Any], Any] | None = None,
                  cost_factory: CostFactory | None = None,
                  recorder: TraceRecorder | None = None, trace_db: str | Path | None = None,
-                 policy: Policy | None = None, answers_factory: AnswersFactory | None = None):
+                 policy: Policy | None = None, answers_factory: AnswersFactory | None = None,
+                 dense_factory: Callable[[ModelSlot], Any] | None = None):
         self.policy = policy or Policy.from_env()
         self.turns = Turns(self.policy.max_waiting if self.policy.public else None, one_each=self.policy.public)
         self.trace_notice = ""  # what went wrong with the trace store, for the status line
@@ -163,6 +182,9 @@ class Engine:
         self.watch_store_build = store_factory is None
         # a server with its own store factory (tests) builds no general-text store unless given a factory
         self.answers_factory = answers_factory or (default_answers_factory if store_factory is None else None)
+        # the dense store reads the general-text store's answers: built by default only with the default one
+        self.dense_factory = dense_factory or (default_dense_factory if answers_factory is None and store_factory
+                                               is None else None)
         self.cost_factory = cost_factory or default_cost_factory
         self.trace_db = trace_db
         self._recorder = recorder
@@ -312,6 +334,24 @@ class Engine:
             st.error, st.state, st.failed_at = message_of(err), "failed", time.time()
         finally:
             st.finished.set()
+        self._build_dense(slot)
+
+    def _build_dense(self, slot: ModelSlot) -> None:
+        """After the general-text store: the dense store over its answers (built once), or off."""
+        st = slot.dense
+        if self.dense_factory is None or slot.answers.state != "ready":
+            st.state = "off"
+            st.finished.set()
+            return
+        st.state, st.started = "building", time.time()
+        try:
+            with slot.lock:  # the model reads the answers: no decode runs on it meanwhile
+                st.store = self.dense_factory(slot)
+            st.state = "ready" if st.store is not None else "off"
+        except Exception as err:  # shown on the page
+            st.error, st.state, st.failed_at = message_of(err), "failed", time.time()
+        finally:
+            st.finished.set()
 
     def preload(self) -> Optional[threading.Thread]:
         """Load the default model, then open or build the built-in store, in the background (once)."""
@@ -354,7 +394,8 @@ class Engine:
             lm = slot.lm
             lines.append(f"✓ Model **{markdown_text(name)}** on {lm.device.type} ({str(lm.dtype).split('.')[-1]}); "
                          f"{_store_line(self, slot.static)}" +
-                         (f"; {line}." if (line := _answers_line(slot.answers)) else "."))
+                         (f"; {line}" if (line := _answers_line(slot.answers)) else "") +
+                         (f"; {line}." if (line := _dense_line(slot.dense)) else "."))
         if self.trace_notice:
             lines.append(self.trace_notice)
         return "\n\n".join(lines) or "Starting: the model loads on first use."
@@ -382,4 +423,4 @@ class Engine:
     def ready(self) -> bool:
         """Nothing is loading or building (the page stops polling the status)."""
         return not self.loading and bool(self.models or self.load_errors) and \
-            all(s.static.state != "building" and s.answers.state != "building" for s in self.models.values())
+            all("building" not in (s.static.state, s.answers.state, s.dense.state) for s in self.models.values())

@@ -1,6 +1,7 @@
 """The datastore explorer: the longest suffix of a context each store holds, what followed it
 there, and the draft tree REST would build from it, without running the model (the "model"
-source answers from the visitor's table of the model's earlier predictions)."""
+source answers from the visitor's table of the model's earlier predictions) -- except for the dense
+source, which needs the model's hidden state: one pass over the context gives it."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,13 +9,14 @@ from collections import Counter
 import numpy as np
 
 from datastores import DatastoreError, Lookup, assemble_stores
-from rest_core.app.decoding import answers_store_for, static_store_for
+from rest_core.app.decoding import answers_store_for, dense_store_for, static_store_for
 from rest_core.app.engine import Engine
 from rest_core.app.panels import panel
 from rest_core.app.replay import recycled_after, suffix_html
 from rest_core.app.session import Session
 from rest_core.app.settings import Settings
 from rest_core.decode import DecodeConfig, PromptError, aggregate_branches
+from rest_core.hidden import sequence_states
 from rest_core.retrieve import query_suffix, retrieve
 from rest_core.traces import figures
 from rest_core.traces.recorder import TokenTexts
@@ -37,6 +39,12 @@ def _tree_figure(tree: DraftTree, texts: TokenTexts):
 
 def _found(lk: Lookup) -> str:
     """What one store found, for the summary line."""
+    if lk.source == "dense":
+        if not lk.neighbours:
+            return "**dense**: no place near the model's state there whose next token is the context's last"
+        sims = [s for _, s in lk.neighbours]
+        return (f"**dense**: {_plural(len(sims), 'place')} where the model's hidden state was near "
+                f"(similarity {max(sims):.2f}–{min(sims):.2f})")
     if lk.source != "model":
         return (f"**{lk.source}**: longest suffix {_plural(lk.matched_len, 'token')}, "
                 f"{_plural(lk.total_matches, 'occurrence')}")
@@ -46,6 +54,17 @@ def _found(lk: Lookup) -> str:
     seen = " (seen together before)" if lk.matched_len >= 2 else ""
     return f"**model** (its own earlier predictions): {_plural(paths, 'recycled path')} after " \
            f"{recycled_after(lk.matched_len)}{seen}"
+
+
+def _neighbour_texts(lookups: list[Lookup], stores: list, texts: TokenTexts) -> dict:
+    """Per dense source, its neighbours with the text around each (as a recorded step has them)."""
+    found = {}
+    for lk, store in zip(lookups, stores):
+        if lk.neighbours and hasattr(store, "around"):
+            found[lk.source] = [{"position": p, "similarity": s, "before_text": texts.join(before),
+                                 "after_text": texts.join(after)}
+                                for p, s in lk.neighbours for before, after in [store.around(p)]]
+    return found
 
 
 def explore(engine: Engine, session: Session, settings: Settings, context: str, budget: int) -> dict:
@@ -62,13 +81,17 @@ def explore(engine: Engine, session: Session, settings: Settings, context: str, 
     model = session.recycle_store(slot.lm) if settings.model_drafts else None
     # the request store holds the context itself (its newest token has nothing after it)
     answers = answers_store_for(engine, slot, settings)
+    dense = dense_store_for(slot, settings) if len(ids) > 1 else None
     stores = assemble_stores(static=static, answers=answers, request=settings.request_store and len(ids) > 1,
-                             history=history,
-                             model=model, n_max=rs.n_max, n_min=rs.n_min)
+                             history=history, model=model, dense=dense, n_max=rs.n_max, n_min=rs.n_min)
     if not stores:
         raise DatastoreError("No store is switched on: choose a datastore or turn on the request store.")
     for store in stores:  # each store sees the context as it would at a decode's first step
         store.begin(ids, rs.n_max, rs.n_min)
+    if dense is not None:  # the state that predicted the context's last token, from one pass over the context
+        with slot.lock:
+            dense.see_state(sequence_states(slot.lm.model, [ids[:-1]], dense.state_layer, slot.lm.device)[0][-1],
+                            int(ids[-1]))
     query = query_suffix(ids, rs)
     lookups = retrieve(query, stores, rs)
     tree = build_draft_tree(int(ids[-1]), lookups, int(budget))
@@ -83,6 +106,7 @@ def explore(engine: Engine, session: Session, settings: Settings, context: str, 
     summary += f" · draft tree: **{tree.draft_size}** tokens (budget {int(budget)})"
     if notice:
         summary += "\n\n" + notice
-    step = {"query": [int(t) for t in query], "matched_len": {lk.source: lk.matched_len for lk in lookups}}
+    step = {"query": [int(t) for t in query], "matched_len": {lk.source: lk.matched_len for lk in lookups},
+            "neighbours": _neighbour_texts(lookups, stores, texts)}
     return {"suffix": suffix_html(step, texts), "summary": summary, "continuations": rows,
             "tree": _tree_figure(tree, texts)}

@@ -190,12 +190,26 @@ def _found_by(source: str, matched: int, offered: int, distinct: int) -> str:
             f"{'s' if offered != 1 else ''} ({distinct} distinct)")
 
 
+def _found_near(source: str, neighbours: list[dict], distinct: int) -> str:
+    """What a dense store found, in words: how many places, how near."""
+    if not neighbours:
+        return (f"{source_words(source)} found no place where the model's state was near and the next token was "
+                "the one just committed")
+    sims = [n["similarity"] for n in neighbours]
+    return (f"{source_words(source)} found {len(neighbours)} place{'s' if len(neighbours) != 1 else ''} where the "
+            f"model's hidden state had been near its state now (similarity {max(sims):.2f}"
+            f"{f' down to {min(sims):.2f}' if len(sims) > 1 else ''}) and offered what followed them there "
+            f"({distinct} distinct)")
+
+
 def _lookup_sentence(step: dict) -> str:
     """What each store found for the step's suffix, in the order the stores were searched."""
     found: dict[str, list[dict]] = {}
     for b in step["branches"]:
         found.setdefault(b["source"], []).append(b)
-    parts = [_found_by(source, m, sum(b["count"] for b in found.get(source, [])), len(found.get(source, [])))
+    near = step.get("neighbours") or {}
+    parts = [_found_near(source, near.get(source, []), len(found.get(source, []))) if source == "dense" else
+             _found_by(source, m, sum(b["count"] for b in found.get(source, [])), len(found.get(source, [])))
              for source, m in (step.get("matched_len") or {}).items()]
     text = ("; ".join(parts) + ".") if parts else "No store was searched."
     return text[0].upper() + text[1:]
@@ -286,10 +300,36 @@ def suffix_html(step: dict, texts: dict) -> str:
         matched = f"background:color-mix(in srgb, {colour} 20%, transparent);border-bottom:3px solid {colour}"
         spans = "".join(f'<span class="q" style="{matched if i >= len(cells) - m else "opacity:.35"}">{c}</span>'
                         for i, c in enumerate(cells))
+        if source == "dense":
+            rows.append(_neighbours_html(colour, (step.get("neighbours") or {}).get(source, [])))
+            continue
+        spans = "".join(f'<span class="q" style="{matched if i >= len(cells) - m else "opacity:.35"}">{c}</span>'
+                        for i, c in enumerate(cells))
         what = ((f"recycled its predictions after {recycled_after(m)}" if m else "has no prediction to recycle yet")
                 if source == "model" else f'matched {m} token{"s" if m != 1 else ""}')
         rows.append(f'<div class="suffix-row"><b>{html.escape(source)}</b> {what} {spans}</div>')
     return f'<div class="suffix">{"".join(rows)}</div>'
+
+
+NEIGHBOURS_SHOWN = 5  # a dense source's nearest places listed in the step-through
+
+
+def _neighbours_html(colour: str, neighbours: list[dict]) -> str:
+    """A dense source's row: the places of its corpus where the model's state was nearest, each with its
+    similarity and the text around it (the part after the place, what was drafted from, underlined)."""
+    if not neighbours:
+        return ('<div class="suffix-row"><b>dense</b> no place near the model\'s state whose next token is the one '
+                'just committed</div>')
+    style = f"border-bottom:3px solid {colour}"
+    places = "".join(
+        f'<div class="suffix-row" style="margin-left:1em">{n["similarity"]:.2f}: '
+        f'<span style="opacity:.6">{token_html(n.get("before_text", ""))}</span>'
+        f'<span style="{style}">{token_html(n.get("after_text", ""))}</span></div>'
+        for n in neighbours[:NEIGHBOURS_SHOWN])
+    more = len(neighbours) - NEIGHBOURS_SHOWN
+    return (f'<div class="suffix-row"><b>dense</b> nearest places of the model\'s hidden state (similarity: text '
+            f'there; underlined: what followed)</div>{places}'
+            + (f'<div class="suffix-row" style="margin-left:1em">and {more} more</div>' if more > 0 else ""))
 
 
 def phase_title(phase: str) -> str:

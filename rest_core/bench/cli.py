@@ -14,13 +14,20 @@ import sys
 from pathlib import Path
 
 from datastores import open_static_store
-from rest_core.bench.methods import ANSWERS_METHOD, DEFAULT_KERNELS, GREEDY_METHODS, SAMPLING_METHODS, TRACED
+from rest_core.bench.methods import (
+    ANSWERS_METHOD,
+    DEFAULT_KERNELS,
+    DENSE_METHOD,
+    GREEDY_METHODS,
+    SAMPLING_METHODS,
+    TRACED,
+)
 from rest_core.bench.report import markdown
 from rest_core.bench.retrieval import retrieval_markdown, run_retrieval
 from rest_core.bench.runner import run_benchmark
 from rest_core.bench.suites import SUITES, chat_prompts, humaneval_prompts, load_suite
 from rest_core.bench.verify_pass import run_verify_pass
-from rest_core.cli_args import add_decode_arguments, answers_for, decode_config
+from rest_core.cli_args import add_decode_arguments, answers_for, decode_config, dense_for
 from rest_core.model import load_model, load_tokenizer
 
 __all__ = ["add_bench_parser", "run_bench"]
@@ -94,24 +101,27 @@ def run_bench(args: argparse.Namespace) -> int:
     prompts = load_suite(suite, lm.tokenizer, args.limit, args.prompts)
     static = open_static_store(args.datastore, lm.tokenizer)
     answers = answers_for(args, lm, chat=suite == "chat")
-    methods = kernel_variants(lm, args.methods, cfg, answers is not None) if args.kernels_ab else args.methods
+    dense = dense_for(args, lm, chat=suite == "chat")
+    methods = kernel_variants(lm, args.methods, cfg, answers is not None, dense is not None) if args.kernels_ab \
+        else args.methods
     results = run_benchmark(lm, prompts, cfg, methods, static, out, suite=suite, datastore=args.datastore,
                             command=_command_line(), prompt_lookup_tokens=args.prompt_lookup_tokens,
                             chi2_prompts=args.chi2_prompts, chi2_seeds=args.chi2_seeds, png=not args.no_png,
-                            progress=not args.no_progress, repeats=args.repeats, answers_store=answers)
+                            progress=not args.no_progress, repeats=args.repeats, answers_store=answers,
+                            dense_store=dense)
     print(markdown(results))
     print(f"results in {out}/ (results.json, results.md, chart.html"
           f"{', chart.png' if (out / 'chart.png').exists() else ''})")
     return 0
 
 
-def kernel_variants(lm, methods: list[str] | None, cfg, answers: bool = True) -> list[str]:
+def kernel_variants(lm, methods: list[str] | None, cfg, answers: bool = True, dense: bool = True) -> list[str]:
     """Every method twice: with the kernels chosen on this machine and with the default ones ('@default')."""
     if lm.kernels is None:
         raise ValueError("--kernels-ab needs the tuned linear kernels: they apply to a float32 model on the CPU, "
                          "and REST_LAB_KERNELS=default turns them off.")
     names = list(methods or (m for m in (GREEDY_METHODS if cfg.sampling.greedy else SAMPLING_METHODS)
-                             if answers or m != ANSWERS_METHOD))
+                             if (answers or m != ANSWERS_METHOD) and (dense or m != DENSE_METHOD)))
     return names + [m + DEFAULT_KERNELS for m in names]
 
 

@@ -13,6 +13,8 @@ Methods
   rest_model        the model's own predictions only (recycled tokens, source "model")
   rest_answers      the general-text store only (the model's own answers to varied requests,
                     source "answers"); offered when the run has that store (chat, by default)
+  rest_dense        the dense store only (neighbours of the model's hidden state among its own answers, source
+                    "dense"); offered when the run has that store (chat, by default); rest_full drafts from it too
   rest_static_traced  (opt-in) rest_static with every step recorded to SQLite
   <method>@default  (with --kernels-ab) the method with transformers' default linear kernels and torch's
                     SDPA attention instead of the ones chosen on this machine (rest_core.kernels,
@@ -50,26 +52,30 @@ from rest_core.kv_cache import new_cache
 from rest_core.model import LoadedModel
 from rest_core.traces.recorder import TraceRecorder
 
-GREEDY_METHODS = ("plain", "hf_greedy", "hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "rest_answers")
-SAMPLING_METHODS = ("plain", "rest_static", "rest_full", "rest_model", "rest_answers")
+GREEDY_METHODS = ("plain", "hf_greedy", "hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "rest_answers",
+                  "rest_dense")
+SAMPLING_METHODS = ("plain", "rest_static", "rest_full", "rest_model", "rest_answers", "rest_dense")
 ANSWERS_METHOD = "rest_answers"  # needs the general-text store
+DENSE_METHOD = "rest_dense"  # needs the dense store
 # opt-in: rest_static with every step recorded to SQLite, to measure the recorder's overhead
 TRACED = "rest_static_traced"
-SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "rest_answers")
-REST_METHODS = ("rest_static", "rest_full", "rest_model", "rest_answers", TRACED)
+SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "rest_answers", "rest_dense")
+REST_METHODS = ("rest_static", "rest_full", "rest_model", "rest_answers", "rest_dense", TRACED)
 MODEL_SOURCE_METHODS = ("rest_full", "rest_model")  # each gets its own table of the model's predictions
 DEFAULT_KERNELS = "@default"  # method suffix: run with transformers' default linear kernels and SDPA
 
 
-def rest_full_stores(lm: LoadedModel, suite: str, model: RecycleStore | None = None) -> tuple[list[Store], str]:
+def rest_full_stores(lm: LoadedModel, suite: str, model: RecycleStore | None = None,
+                     dense: Store | None = None, answers: str | Path | None = None) -> tuple[list[Store], str]:
     """rest_full's stores for a measurement script, and the kind of text the suite decodes: the Python
-    store, the general-text store in chat, the request store, a history and the model's own predictions (the
-    last two in memory and empty; `model` replaces the default model source, e.g. one drafting wider)."""
+    store, the general-text store in chat (`answers`: a store folder instead of the built-in one), the request
+    store, a history, the model's own predictions (the last two in memory and empty; `model` replaces the
+    default model source, e.g. one drafting wider) and `dense` when given."""
     chat = suite == "chat"
     stores = assemble_stores(static=open_default_store(lm.tokenizer, progress=False),
-                             answers=open_answers("default", lm.name, lm.tokenizer) if chat else None,
+                             answers=open_answers(str(answers or "default"), lm.name, lm.tokenizer) if chat else None,
                              request=True, history=HistoryStore(path=None),
-                             model=model if model is not None else RecycleStore(lm.vocab_size))
+                             model=model if model is not None else RecycleStore(lm.vocab_size), dense=dense)
     return stores, "chat" if chat else "text"
 
 
@@ -154,12 +160,15 @@ class MethodRunner:
     """Runs any method on a prompt and returns one raw record (numbers only measured here)."""
 
     def __init__(self, lm: LoadedModel, static_store: Store | None, cfg: DecodeConfig, methods: Sequence[str],
-                 prompt_lookup_tokens: int = 10, answers_store: Store | None = None, kind: str = "text"):
+                 prompt_lookup_tokens: int = 10, answers_store: Store | None = None, kind: str = "text",
+                 dense_store: Store | None = None):
         self.lm, self.cfg, self.methods = lm, cfg, tuple(methods)
         self.kind = kind  # "chat" or "text": the budget choosers learn acceptance per kind of prompt
-        self.answers_store = answers_store
+        self.answers_store, self.dense_store = answers_store, dense_store
         if answers_store is None and any(base_method(m) == ANSWERS_METHOD for m in self.methods):
             raise ValueError("rest_answers needs the general-text store: pass --answers default (or a store folder).")
+        if dense_store is None and any(base_method(m) == DENSE_METHOD for m in self.methods):
+            raise ValueError("rest_dense needs the dense store: pass --dense default (or a store folder).")
         self.eos = lm.eos_token_ids
         self.prompt_lookup_tokens = prompt_lookup_tokens
         self.cost_model = CostModel.for_model(lm)  # the calibrated curve, for the relative verify cost
@@ -192,13 +201,15 @@ class MethodRunner:
                              if base_method(m) in MODEL_SOURCE_METHODS}
 
     def _stores(self, method: str) -> list[Store]:
-        """rest_static (and its traced twin): static only; rest_full: static, answers, request, history and
-        model; rest_model: model only; rest_answers: answers only."""
+        """rest_static (and its traced twin): static only; rest_full: static, answers, request, history, model
+        and dense; rest_model: model only; rest_answers: answers only; rest_dense: dense only."""
         base = base_method(method)
         full = base == "rest_full"
-        return assemble_stores(static=None if base in ("rest_model", ANSWERS_METHOD) else self.static_store,
+        alone = ("rest_model", ANSWERS_METHOD, DENSE_METHOD)
+        return assemble_stores(static=None if base in alone else self.static_store,
                                answers=self.answers_store if base in ("rest_full", ANSWERS_METHOD) else None,
                                request=full, history=self.histories.get(method), model=self.model_drafts.get(method),
+                               dense=self.dense_store if base in ("rest_full", DENSE_METHOD) else None,
                                n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
 
     def _decoder(self, method: str) -> RestDecoder:

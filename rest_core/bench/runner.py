@@ -28,6 +28,7 @@ from datastores import Store
 from rest_core.bench.methods import (
     ANSWERS_METHOD,
     DEFAULT_KERNELS,
+    DENSE_METHOD,
     GREEDY_METHODS,
     SAMPLING_METHODS,
     TRACED,
@@ -48,11 +49,14 @@ def rotated(methods: Sequence[str], i: int) -> list[str]:
     return list(methods[k:]) + list(methods[:k])
 
 
-def _methods(cfg: DecodeConfig, methods: Sequence[str] | None, answers: bool = True) -> tuple[str, ...]:
-    """The methods asked for (default: every one of the mode; rest_answers only where the run has its store)."""
+def _methods(cfg: DecodeConfig, methods: Sequence[str] | None, answers: bool = True,
+             dense: bool = True) -> tuple[str, ...]:
+    """The methods asked for (default: every one of the mode; rest_answers and rest_dense only where the run has
+    their store)."""
     greedy = cfg.sampling.greedy
     allowed = GREEDY_METHODS if greedy else SAMPLING_METHODS
-    methods = tuple(methods or (m for m in allowed if answers or m != ANSWERS_METHOD))
+    missing = {m for m, have in ((ANSWERS_METHOD, answers), (DENSE_METHOD, dense)) if not have}
+    methods = tuple(methods or (m for m in allowed if m not in missing))
     bad = [m for m in methods if base_method(m) not in allowed + (TRACED,) or m.count("@") > 1
            or ("@" in m and not m.endswith(DEFAULT_KERNELS))]
     if bad:
@@ -66,25 +70,25 @@ def run_benchmark(lm: LoadedModel, prompts: Sequence[BenchPrompt], cfg: DecodeCo
                   out_dir: str | Path | None = None, *,
                   suite: str = "custom", datastore: str = "", command: str = "", prompt_lookup_tokens: int = 10,
                   chi2_prompts: int = 1, chi2_seeds: int = 200, png: bool = True, progress: bool = True,
-                  repeats: int = 1, answers_store: Store | None = None) -> dict:
+                  repeats: int = 1, answers_store: Store | None = None, dense_store: Store | None = None) -> dict:
     """Run every method on every prompt (`repeats` rounds); write results.json/.md and the charts to out_dir;
     return the results."""
     cfg.validate()
     greedy = cfg.sampling.greedy
-    methods = _methods(cfg, methods, answers=answers_store is not None)
+    methods = _methods(cfg, methods, answers=answers_store is not None, dense=dense_store is not None)
     if not prompts:
         raise ValueError("The suite has no prompts.")
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}.")
     base_seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0
     results = {"settings": _settings(cfg, suite, methods, datastore, static_store, len(prompts), prompt_lookup_tokens,
-                                     base_seed, repeats, answers_store),
+                                     base_seed, repeats, answers_store, dense_store),
                "machine": machine_info(lm), "command": command, "warmup": [], "prompts": [], "records": [],
                "started_at": _dt.datetime.now().isoformat(timespec="seconds")}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # generate() warns about sampling flags unused in greedy mode
     runner = MethodRunner(lm, static_store, cfg, methods, prompt_lookup_tokens, answers_store=answers_store,
-                          kind="chat" if suite == "chat" else "text")
+                          kind="chat" if suite == "chat" else "text", dense_store=dense_store)
     results["settings"]["cost_model"] = {"grid": list(runner.cost_model.grid),
                                          "times_ms": [round(float(t), 4) for t in runner.cost_model.times_ms]}
     interrupted = False
@@ -172,7 +176,7 @@ def _compare(lm: LoadedModel, prompt: BenchPrompt, by_method: dict, greedy: bool
 
 def _settings(cfg: DecodeConfig, suite: str, methods: Sequence[str], datastore: str, static_store: Store | None,
               n_prompts: int, prompt_lookup_tokens: int, base_seed: int, repeats: int = 1,
-              answers_store: Store | None = None) -> dict:
+              answers_store: Store | None = None, dense_store: Store | None = None) -> dict:
     s = cfg.sampling
     return {"suite": suite, "prompts": n_prompts, "methods": list(methods),
             "mode": "greedy" if s.greedy else "sampling", "max_new_tokens": cfg.max_new_tokens,
@@ -186,6 +190,9 @@ def _settings(cfg: DecodeConfig, suite: str, methods: Sequence[str], datastore: 
             "answers_store": None if answers_store is None else {
                 "path": str(getattr(answers_store, "path", "")), "n_tokens": int(getattr(answers_store, "n_tokens", 0)),
                 "documents": int(getattr(answers_store, "n_docs", 0))},
+            "dense_store": None if dense_store is None else {
+                "path": str(getattr(dense_store, "path", "")), "positions": len(dense_store),
+                "layer": getattr(dense_store, "state_layer", None), "dim": getattr(dense_store, "meta", {}).get("dim")},
             "repeats": repeats,
             "rounds": ("round r runs every prompt with every method, the order rotating per prompt; tokens/s, "
                        "ms/token and speedup are medians over rounds of each round's suite figure (speedup: over "

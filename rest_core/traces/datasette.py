@@ -38,6 +38,8 @@ TABLES = {
         "budget_choice": "JSON: the cost model's choice: candidate draft nodes, the ones kept, the accepted drafts "
                          "expected of them, the pass's cost relative to a one-token pass, each source's correction "
                          "in this request (NULL when it did not choose)",
+        "neighbours": "JSON: per dense source, the corpus places whose hidden state was nearest the model's (their "
+                      "position, similarity and the text before and after them), nearest first (NULL: none)",
     }),
     "draft_nodes": ("One row per node of a step's draft tree (node 0 = the root, the last committed token).", {
         "source": "the draft source contributing most to this node: static, request, history, model, ...",

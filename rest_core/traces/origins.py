@@ -17,10 +17,12 @@ ORIGIN_STYLES = {  # the known origins: background tint (dark text stays legible
     "request": (tint(source_color("request"), 0.35), "accepted draft, this request (prompt + output)"),
     "history": (tint(source_color("history"), 0.30), "accepted draft, history of past outputs"),
     "model": (tint(source_color("model"), 0.50), "accepted draft, model's own prediction (recycled)"),
+    "dense": (tint(source_color("dense"), 0.35), "accepted draft, dense store (where the model's state was near)"),
     "bonus": (tint(BONUS, 0.30), "from the model (bonus token)"),
 }
 SOURCE_WORDS = {"model": "the model's own earlier predictions (recycled)",  # how a sentence names a source
-                "answers": "the general-text store (the model's own answers to other requests)"}
+                "answers": "the general-text store (the model's own answers to other requests)",
+                "dense": "the dense store (corpus places where the model's hidden state was near)"}
 STEP_EDGE = "border-left:1px solid rgba(0,0,0,0.35);"  # marks the first token of each step
 
 

@@ -14,10 +14,11 @@ from rest_core.phases import PHASES
 BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY, YELLOW, GREY = (
     "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#7F7F7F")
 INDIGO = "#332288"  # from Paul Tol's colour-blind-safe "muted" set: apart from the static store's blue in a tint
+TEAL = "#44AA99"  # the same set's teal: the dense source (neighbours of the model's hidden state)
 SOURCE_COLOURS = {"static": BLUE, "answers": INDIGO, "request": ORANGE, "history": GREEN, "model": YELLOW,
-                  "": GREY}  # "" = root
+                  "dense": TEAL, "": GREY}  # "" = root
 # Any other source: sky (the Okabe-Ito colour left), then Paul Tol's colour-blind-safe "muted" set.
-FALLBACK_COLOURS = (SKY, "#44AA99", "#882255", "#999933", "#CC6677", "#AA4499")
+FALLBACK_COLOURS = (SKY, "#882255", "#999933", "#CC6677", "#AA4499")
 PHASE_COLOURS = dict(zip(PHASES, (BLUE, ORANGE, SKY, GREEN, PURPLE)))
 ACCEPTED = VERMILLION  # the accepted path
 BONUS = PURPLE  # the token the model adds itself at the end of each step (not a draft source)
@@ -48,10 +49,10 @@ def tint(colour: str, alpha: float) -> str:
 # A second cue beside colour, for readers who cannot tell the colours apart (and for print):
 # a marker shape per source in the draft tree, a fill pattern per source in bar charts.
 SOURCE_MARKERS = {"": "circle", "static": "circle", "answers": "pentagon", "request": "square", "history": "diamond",
-                  "model": "triangle-up"}
+                  "model": "triangle-up", "dense": "star"}
 FALLBACK_MARKERS = ("hexagon", "cross", "x", "triangle-down", "hourglass")
-SOURCE_PATTERNS = {"": "", "static": "", "answers": "-", "request": "/", "history": "x", "model": "."}
-FALLBACK_PATTERNS = ("\\", "|", "+")
+SOURCE_PATTERNS = {"": "", "static": "", "answers": "-", "request": "/", "history": "x", "model": ".", "dense": "+"}
+FALLBACK_PATTERNS = ("\\", "|")
 
 
 def source_marker(source: str) -> str:

@@ -102,6 +102,7 @@ CREATE TABLE IF NOT EXISTS steps (
     tree_mask TEXT NOT NULL, -- JSON list of q strings of 0/1: the q x q tree block
     mask_dtype TEXT NOT NULL,
 """ + "".join(f"    t_{p}_ms REAL,\n" for p in PHASES) + """    budget_choice TEXT,     -- JSON: why
+    neighbours TEXT,        -- JSON: per dense source, the neighbours drafted from and the text around them
     PRIMARY KEY (run_id, step)
 );
 CREATE TABLE IF NOT EXISTS draft_nodes (

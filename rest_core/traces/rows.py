@@ -115,8 +115,8 @@ STEP_COLUMNS = (
     "run_id", "step", "prefix_len", "query", "matched_len", "draft_size", "accepted_len",
     "bonus_token", "bonus_text", "new_tokens", "new_texts", "accepted_sources",
     "position_ids", "tree_mask", "mask_dtype",
-) + tuple(f"t_{p}_ms" for p in PHASES) + ("budget_choice",)
-ADDED_STEP_COLUMNS = {"budget_choice": "TEXT"}
+) + tuple(f"t_{p}_ms" for p in PHASES) + ("budget_choice", "neighbours")
+ADDED_STEP_COLUMNS = {"budget_choice": "TEXT", "neighbours": "TEXT"}
 NODE_COLUMNS = (
     "run_id", "step", "node", "parent", "depth", "token_id", "token_text", "score", "source",
     "model_choice", "model_choice_text", "chosen", "accepted",
@@ -127,7 +127,7 @@ ADDED_NODE_COLUMNS = {"prob": "REAL", "choice_prob": "REAL", "top_tokens": "TEXT
 BRANCH_COLUMNS = ("run_id", "step", "branch", "source", "tokens", "text", "count")
 JSON_COLUMNS = frozenset({"stores", "settings", "prompt_ids", "query", "matched_len", "new_tokens", "new_texts",
                           "accepted_sources", "position_ids", "tokens", "top_tokens", "top_texts", "top_probs",
-                          "budget_choice"})
+                          "budget_choice", "neighbours"})
 MAX_BRANCHES_PER_SOURCE = 32  # continuations stored per source and step (the most frequent ones)
 
 
@@ -196,7 +196,8 @@ def trace_rows(run_id: int, t: StepTrace, texts: TokenTexts) -> tuple[tuple, lis
         json.dumps([texts[x] for x in new_tokens]),
         json.dumps([t.tree_sources[n] for n in t.accepted_nodes[1:]]),
         ids_json(t.position_ids), encode_block(block), str(t.mask.dtype).removeprefix("torch."),
-    ) + tuple(timings.get(p) for p in PHASES) + (None if t.budget_choice is None else json.dumps(t.budget_choice),)
+    ) + tuple(timings.get(p) for p in PHASES) + (None if t.budget_choice is None else json.dumps(t.budget_choice),
+                                                  _neighbours_json(t, texts))
     node_rows = []
     for i in range(q):
         parent = int(t.tree_parents[i])
@@ -209,6 +210,15 @@ def trace_rows(run_id: int, t: StepTrace, texts: TokenTexts) -> tuple[tuple, lis
     branch_rows = [(run_id, t.step, k, b.source, ids_json(b.tokens), texts.join(b.tokens), int(b.count))
                    for k, b in enumerate(kept)]
     return step_row, node_rows, branch_rows
+
+
+def _neighbours_json(t: StepTrace, texts: TokenTexts) -> Optional[str]:
+    """The dense sources' neighbours as JSON, each with the text around it (None when the step has none)."""
+    if not t.neighbours:
+        return None
+    return json.dumps({source: [{**n, "before_text": texts.join(n.get("before", ())),
+                                 "after_text": texts.join(n.get("after", ()))} for n in found]
+                       for source, found in t.neighbours.items()})
 
 
 def _node_probs(t: StepTrace, q: int):
@@ -265,6 +275,8 @@ def step_trace(step: StepDetail) -> StepTrace:
         bonus_token=step["bonus_token"], new_tokens=step["new_tokens"],
         timings_ms={p: step[f"t_{p}_ms"] for p in PHASES if step[f"t_{p}_ms"] is not None},
         **_stored_probs(nodes), budget_choice=step.get("budget_choice"),
+        neighbours={source: [{k: n[k] for k in ("position", "similarity", "before", "after")} for n in found]
+                    for source, found in (step.get("neighbours") or {}).items()},
         node_chances=[n.get("chance") for n in nodes] if any(n.get("chance") is not None for n in nodes) else [],
     )
 

@@ -1,0 +1,184 @@
+"""The dense source (datastores.dense): exact greedy and exact sampling with its drafts, the neighbours it returns
+against a brute-force search, and stores it must refuse (another model's, damaged)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_decode import _chi_square_p, _sample_many, _spread_out_case
+
+from datastores import DatastoreError, DenseStore, assemble_stores, build_dense_store
+from datastores.common import SEP
+from datastores.dense import reduce_states
+from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
+from rest_core.hidden import dense_layer, layer_count, model_fingerprint, state_reader
+
+from conftest import make_tiny_lm
+
+PROMPT = [5, 9, 69_999, 3]
+
+
+def dense_for(lm, docs, path, dim=16):
+    """A dense store of `lm`'s final-norm states over docs ((ids, first) pairs)."""
+    layer = layer_count(lm.model)
+    return build_dense_store(path, docs, state_reader(lm.model, layer), None,
+                             {"name": lm.name, "fingerprint": model_fingerprint(lm.model)}, layer, dim, progress=False)
+
+
+def own_answers(lm, prompts, n=40):
+    """The model's greedy answers to prompts, each read after its prompt (an ID corpus)."""
+    docs = []
+    for p in prompts:
+        out = plain_generate(lm, p, DecodeConfig(max_new_tokens=n, stop_at_eos=False))
+        docs.append((list(p) + out.tokens, len(p) - 1))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tiny_dense(tiny_lm, tmp_path_factory):
+    rng = np.random.default_rng(0)
+    noise = [(rng.integers(0, 70_000, size=30).tolist(), 0) for _ in range(4)]
+    docs = own_answers(tiny_lm, [PROMPT, [65_536, 65_537, 12], list(range(100, 140))]) + noise
+    return dense_for(tiny_lm, docs, tmp_path_factory.mktemp("dense") / "store")
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [7, 65_536, 65_537, 12], [2, 3]])
+def test_greedy_with_dense_drafts_equals_plain_greedy(tiny_lm, tiny_dense, prompt):
+    plain = plain_generate(tiny_lm, prompt, DecodeConfig(max_new_tokens=40, stop_at_eos=False))
+    traces = []
+    rest = RestDecoder(tiny_lm, stores=assemble_stores(request=False, dense=tiny_dense)).generate(
+        prompt, DecodeConfig(max_new_tokens=40, draft_budget=12, stop_at_eos=False), hook=traces.append)
+    assert rest.tokens == plain.tokens
+    if prompt == PROMPT:  # its answer is in the corpus: the states are near and the drafts accepted
+        assert rest.accepted_by_source.get("dense", 0) >= 20
+        assert rest.steps < plain.steps
+        # after the first step (whose state, the prompt's, the corpus does not hold) the nearest place is the
+        # very one the answer was read at
+        near = [t.neighbours["dense"] for t in traces[1:] if "dense" in t.neighbours]
+        assert near and all(found[0]["similarity"] > 0.99 for found in near)
+        assert all(found[0]["before"] and found[0]["after"] for found in near)  # the text around each place
+
+
+def test_custom_generate_with_dense_drafts_is_generates_own_output(tiny_lm, tiny_dense):
+    from rest_core.hf_generate import rest_generate
+
+    ids = torch.tensor([PROMPT])
+    want = tiny_lm.model.generate(ids, max_new_tokens=30, do_sample=False)
+    steps = []
+    got = tiny_lm.model.generate(ids, max_new_tokens=30, do_sample=False, custom_generate=rest_generate,
+                                 datastore=assemble_stores(request=False, dense=tiny_dense), rest_hook=steps.append)
+    assert torch.equal(got, want)
+    assert len(steps) < 20 and any(s.neighbours.get("dense") for s in steps)
+
+
+@pytest.mark.parametrize("match_next", [False, True])
+def test_the_neighbours_are_the_brute_force_nearest(tiny_dense, match_next):
+    store = tiny_dense
+    store.match_next = match_next
+    keys = np.fromfile(store.path / "keys.f16", dtype="<f2").astype(np.float32).reshape(store.tokens.size, -1)
+    valid = np.zeros(store.tokens.size, dtype=bool)
+    valid[:-2] = (store.tokens[:-2] != SEP) & (store.tokens[1:-1] != SEP) & (store.tokens[2:] != SEP)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        state = rng.normal(size=store.mean.shape[0]).astype(np.float32)
+        query = reduce_states(state[None], store.mean, store.axes)[0]
+        sims = keys @ query
+        sims[~valid] = -np.inf
+        nearest = np.argsort(-sims, kind="stable")[:store.neighbours_k]
+        token = int(store.tokens[nearest[rng.integers(0, 8)] + 1])  # a next token some near position has
+        want = [int(p) for p in nearest if store.tokens[p + 1] == token or not match_next][:store.keep]
+        got, got_sims = store.neighbours(state, token)
+        assert got.tolist() == want
+        np.testing.assert_allclose(got_sims, sims[want], atol=1e-4)
+    store.match_next = False
+
+
+def test_sampling_with_dense_drafts_matches_the_exact_distribution(tmp_path):
+    lm, prompt, sampling, expected = _spread_out_case()
+    rng = np.random.default_rng(2)
+    docs = [([*prompt, *rng.integers(0, 4, size=12).tolist()], 1) for _ in range(12)]
+    dense = dense_for(lm, docs, tmp_path / "store", dim=8)
+    runs = 1000
+    stores = assemble_stores(request=False, dense=dense)
+    drafted = []
+    dense.lookup = _counting(dense.lookup, drafted)
+    observed = _sample_many(lm, prompt, sampling, None, runs, 3, stores=stores)
+    assert sum(drafted) > runs  # dense drafts were in the trees
+    assert _chi_square_p(observed, expected, runs) > 1e-3
+
+
+def _counting(lookup, drafted):
+    def wrapped(*args, **kwargs):
+        found = lookup(*args, **kwargs)
+        drafted.append(found.continuations.shape[0] > 0)
+        return found
+    return wrapped
+
+
+def test_a_store_of_another_model_is_refused(tiny_lm, tiny_dense):
+    other = make_tiny_lm(seed=1)
+    with pytest.raises(DatastoreError, match="hidden states of model .* Rebuild it with this model"):
+        DenseStore.open(tiny_dense.path, model_fingerprint=model_fingerprint(other.model))
+    with pytest.raises(DatastoreError, match="not of the model decoding now"):
+        RestDecoder(other, stores=[tiny_dense]).generate(PROMPT, DecodeConfig(max_new_tokens=4))
+    DenseStore.open(tiny_dense.path, model_fingerprint=model_fingerprint(tiny_lm.model))  # its own model: fine
+
+
+def test_a_damaged_store_is_refused_with_the_fix(tiny_lm, tmp_path):
+    store = dense_for(tiny_lm, own_answers(tiny_lm, [PROMPT], n=12), tmp_path / "store")
+    keys = store.path / "keys.f16"
+    data = bytearray(keys.read_bytes())
+    data[10] ^= 0xFF
+    keys.write_bytes(bytes(data))
+    with pytest.raises(DatastoreError, match="damaged.*rebuild"):
+        DenseStore.open(store.path)
+    (store.path / "meta.json").write_text("{not json")
+    with pytest.raises(DatastoreError, match="damaged"):
+        DenseStore.open(store.path)
+    with pytest.raises(DatastoreError, match="not a dense store"):
+        DenseStore.open(tmp_path / "nowhere")
+
+
+def test_a_recorded_step_keeps_the_neighbours_and_the_step_through_shows_them(tiny_lm, tiny_dense, tmp_path):
+    from rest_core.app.replay import explain_step, suffix_html
+    from rest_core.traces.recorder import TraceRecorder
+    from rest_core.traces.rows import step_trace
+
+    recorder = TraceRecorder(tmp_path / "trace.sqlite")
+    run_id = recorder.start_run(model=tiny_lm.name, tokenizer_name="tiny", stores=["dense"], settings={}, prompt="",
+                                prompt_tokens=PROMPT)
+    traces = []
+    hook = recorder.step_hook(run_id, tiny_lm.tokenizer)
+    RestDecoder(tiny_lm, stores=assemble_stores(request=False, dense=tiny_dense)).generate(
+        PROMPT, DecodeConfig(max_new_tokens=20, draft_budget=8, stop_at_eos=False),
+        hook=lambda t: (traces.append(t), hook(t)))
+    index = next(t.step for t in traces[1:] if t.neighbours.get("dense"))
+    step = recorder.load_step(run_id, index, mask="torch")
+    near = step["neighbours"]["dense"]
+    assert [n["position"] for n in near] == [n["position"] for n in traces[index].neighbours["dense"]]
+    assert near[0]["similarity"] > 0.99 and near[0]["after_text"] and near[0]["before_text"]
+    assert step_trace(step).neighbours == traces[index].neighbours  # the trace round-trips
+    html = suffix_html(step, {t: f"<{t}>" for t in step["query"]})
+    assert "nearest places" in html and near[0]["after_text"][:6] in html
+    assert "where the model's hidden state had been near" in explain_step(step, {"settings": {}})
+
+
+@pytest.mark.model
+def test_the_command_line_builds_a_dense_store_the_decoder_drafts_from(default_lm, tmp_path, capsys):
+    from rest_core.cli import main
+
+    text = tmp_path / "notes.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 3 + "Water boils at one hundred degrees.")
+    out = tmp_path / "dense"
+    assert main(["datastore", "dense", str(out), "--files", str(text), "--dim", "8", "--quiet"]) == 0
+    assert "dense store" in capsys.readouterr().out
+    store = DenseStore.open(out, tokenizer=default_lm.tokenizer, model_fingerprint=model_fingerprint(default_lm.model))
+    assert store.state_layer == dense_layer(default_lm.model) and store.meta["dim"] == 8
+    prompt = default_lm.tokenizer("The quick brown fox jumps over the lazy dog. The quick",
+                                  add_special_tokens=False)["input_ids"]
+    plain = plain_generate(default_lm, prompt, DecodeConfig(max_new_tokens=12, stop_at_eos=False))
+    rest = RestDecoder(default_lm, stores=[store]).generate(prompt, DecodeConfig(max_new_tokens=12, draft_budget=8,
+                                                                                  stop_at_eos=False))
+    assert rest.tokens == plain.tokens
+    assert main(["datastore", "dense", str(out), "--files", str(text)]) == 2  # exists: refused without --force
+    assert "--force" in capsys.readouterr().err
