@@ -13,17 +13,28 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from datastores import Store, default_store_path, open_answers, open_default_store, store_labels
+from datastores import (
+    DatastoreError,
+    RecycleStore,
+    Store,
+    default_recycle_path,
+    default_store_path,
+    open_answers,
+    open_default_store,
+    store_labels,
+)
 from datastores.answer_prompts import answer_prompts
 from rest_core.app.policy import Policy, markdown_text
 from rest_core.app.settings import MAX_MODELS, log, message_of
-from rest_core.app.turns import Turns
+from rest_core.app.turns import Busy, Turns
 from rest_core.cost import CostModel
 from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, generate_batch, load_model, load_tokenizer
 from rest_core.traces.recorder import TraceRecorder, default_db_path
@@ -34,6 +45,7 @@ AnswersFactory = Callable[["ModelSlot", Callable[[], None], "StoreSlot"], Any]  
 STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
 MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
 TRACE_BUSY_S = 5.0  # how long a write waits for a trace store another program holds
+TOKENIZER_WAIT_S = 120.0  # how long loading a tokenizer for a replay waits for its turn (then ids are shown)
 
 
 @dataclass
@@ -62,6 +74,37 @@ class ModelSlot:
     answers: StoreSlot = field(default_factory=StoreSlot)  # the general-text store (the model's own answers)
     costs: dict[tuple[str, ...], Any] = field(default_factory=dict)  # (kind, *store labels) -> budget chooser
     _cost_lock: threading.Lock = field(default_factory=threading.Lock)
+    _recycle_base: Optional[RecycleStore] = None  # the table visitors' tables start from (read-only)
+    _learning: OrderedDict = field(default_factory=OrderedDict)  # id -> weakref of forks that learned, oldest first
+
+    def recycle_fork(self) -> RecycleStore:
+        """A visitor's own table of the model's predictions: a fork (copy on write) of the table command-line
+        and benchmark runs keep for this model, read once, or of an empty one when there is none that fits."""
+        with self._cost_lock:
+            if self._recycle_base is None:
+                base = RecycleStore(self.lm.vocab_size)  # no path: nothing is ever written
+                try:
+                    path = default_recycle_path(self.lm.name, self.lm.tokenizer)
+                    if path.is_file():
+                        base.load(path)
+                except (DatastoreError, OSError) as err:  # a missing or unreadable table: start empty
+                    log.info("%s: visitors' tables of the model's predictions start empty (%s)", self.lm.name, err)
+                self._recycle_base = base
+            return self._recycle_base.fork()
+
+    def learning(self, store: RecycleStore, limit: Optional[int]) -> None:
+        """`store` (a fork) is about to learn from a decode, so it holds tables of its own: at most `limit` forks
+        do (None: any number); the ones that learned least recently go back to the shared table."""
+        with self._cost_lock:
+            self._learning.pop(id(store), None)
+            self._learning[id(store)] = weakref.ref(store)
+            for key, ref in list(self._learning.items()):
+                if ref() is None:
+                    del self._learning[key]
+            while limit is not None and len(self._learning) > max(1, limit):
+                oldest = self._learning.popitem(last=False)[1]()
+                if oldest is not None and self._recycle_base is not None:
+                    oldest.share(self._recycle_base)
 
     def chooser(self, stores: Sequence[Store], kind: str = "") -> Any:
         """The automatic budget's cost model for these stores and this kind of prompt ("chat" or "text"; the
@@ -146,19 +189,26 @@ class Engine:
     """Models and the built-in store, shared by all sessions of one server.
 
     The factories replace the default model loader, built-in store and cost model (tests);
-    `recorder` (or `trace_db`, a path) the trace store, opened on first use otherwise.
+    `recorder` (or `trace_db`, a path) the trace store, opened on first use otherwise; `tokenizer_factory`
+    loads a model's tokenizer without its weights (default: rest_core.model.load_tokenizer; with a model
+    factory of its own and none given, the tokenizer of that factory's model).
     """
 
     def __init__(self, lm_factory: Callable[[str], LoadedModel] | None = None,
                  store_factory: Callable[[Any], Any] | None = None,
                  cost_factory: CostFactory | None = None,
                  recorder: TraceRecorder | None = None, trace_db: str | Path | None = None,
-                 policy: Policy | None = None, answers_factory: AnswersFactory | None = None):
+                 policy: Policy | None = None, answers_factory: AnswersFactory | None = None,
+                 tokenizer_factory: Callable[[str], Any] | None = None):
         self.policy = policy or Policy.from_env()
-        self.turns = Turns(self.policy.max_waiting if self.policy.public else None, one_each=self.policy.public)
+        public = self.policy.public
+        self.turns = Turns(self.policy.max_waiting if public else None, one_each=public,
+                           per_address=self.policy.max_waiting_per_address if public else None)
         self.trace_notice = ""  # what went wrong with the trace store, for the status line
         self.unfinished: dict[int, dict] = {}  # run id -> the outcome its finish could not write yet
         self.lm_factory = lm_factory or load_model
+        self.tokenizer_factory = tokenizer_factory or (load_tokenizer if lm_factory is None else
+                                                       (lambda name: self.lm_factory(name).tokenizer))
         self.store_factory = store_factory or default_store_factory
         self.watch_store_build = store_factory is None
         # a server with its own store factory (tests) builds no general-text store unless given a factory
@@ -359,8 +409,11 @@ class Engine:
             lines.append(self.trace_notice)
         return "\n\n".join(lines) or "Starting: the model loads on first use."
 
-    def tokenizer_for(self, name: Optional[str]) -> Any:
-        """A tokenizer for replaying a run: a loaded model's, else loaded alone (no weights), else None."""
+    def tokenizer_for(self, name: Optional[str], owner: str = "", address: str = "", in_turn: bool = False) -> Any:
+        """A tokenizer for replaying a run or building a visitor's store: a loaded model's, else one loaded alone
+        (no weights; kept, up to MAX_TOKENIZERS), else None.  On a public server a load takes its turn in the
+        line of decodes as `owner` from `address` (None when the line refuses it), unless the caller holds a
+        turn already (`in_turn`)."""
         name = self.canonical(name)
         loaded = [s.lm for key, s in list(self.models.items()) if name in (key, s.lm.name)]
         if loaded:
@@ -369,15 +422,33 @@ class Engine:
             return None
         if name in self._tokenizers:
             return self._tokenizers[name]
+        ticket = None
         try:
-            tokenizer = load_tokenizer(name)
+            if self.policy.public and not in_turn:
+                ticket = self.turns.join(owner, address)
+                if not ticket.wait(TOKENIZER_WAIT_S):
+                    return None
+            with self._load_lock:
+                if name not in self._tokenizers:
+                    self._keep_tokenizer(name, self._load_tokenizer(name))
+                return self._tokenizers[name]
+        except Busy:
+            return None
+        finally:
+            if ticket is not None:
+                ticket.leave()
+
+    def _load_tokenizer(self, name: str) -> Any:
+        try:
+            return self.tokenizer_factory(name)
         except Exception:  # replay works without one (token ids shown instead)
-            tokenizer = None
+            return None
+
+    def _keep_tokenizer(self, name: str, tokenizer: Any) -> None:
         with self._state_lock:
             while len(self._tokenizers) >= MAX_TOKENIZERS:  # forget the oldest
                 self._tokenizers.pop(next(iter(self._tokenizers)))
             self._tokenizers[name] = tokenizer
-        return tokenizer
 
     def ready(self) -> bool:
         """Nothing is loading or building (the page stops polling the status)."""

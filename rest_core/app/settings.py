@@ -103,11 +103,13 @@ class Settings:
         cfg.validate()
         return cfg
 
-    def record(self, owner: str) -> dict:
-        """What a recorded run keeps about how it was made (owner: the session that made it)."""
+    def record(self, owner: str, address: str = "") -> dict:
+        """What a recorded run keeps about how it was made (owner: the session that made it; address: a tag of
+        its client address, rest_core.app.visitors.address_tag, left out when empty)."""
         return {**self.decode_config().settings(), "chat": self.mode == "chat", "static": self.static,
                 "answers": self.use_answers, "request_store": self.request_store, "history_store": self.history_store,
-                "model_drafts": self.model_drafts, "app_session": owner}
+                "model_drafts": self.model_drafts, "app_session": owner,
+                **({"app_address": address} if address else {})}
 
 
 SETTING_NAMES = tuple(f.name for f in fields(Settings))
