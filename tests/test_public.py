@@ -15,6 +15,7 @@ import pytest
 
 from rest_core import app as sup
 from rest_core.app import engine as engine_module
+from rest_core.app import live as live_module
 from rest_core.app.guard import Refused, UploadLedger
 from rest_core.app.policy import Policy, markdown_safe, markdown_text, public_reason
 from rest_core.app.turns import Busy, Turns
@@ -387,7 +388,8 @@ def test_runs_are_pruned_per_address_whatever_the_sessions(tiny, tmp_path):
     assert len(tags) == 2 and not any("10.66" in t or "203.0" in t for t in tags), "no address is stored"
 
 
-def test_chat_history_is_capped_in_tokens_and_the_page_says_so(tiny, tmp_path):
+def test_chat_history_is_capped_in_tokens_and_the_page_says_so(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(live_module, "CHAT_TURNS_SHOWN", 5)
     chatty = replace(tiny, tokenizer=tiny.tokenizer.chat())
     policy = replace(PUBLIC, max_chat_tokens=64)
     engine = sup.Engine(lm_factory=lambda name: chatty, store_factory=lambda tok: None, cost_factory=no_chooser,
@@ -400,6 +402,7 @@ def test_chat_history_is_capped_in_tokens_and_the_page_says_so(tiny, tmp_path):
         assert engine.recorder.get_run(final.run_id)["prompt_tokens"] <= 64
     assert not notices[0] and any("newest 64 tokens" in n and "oldest turn" in n for n in notices[2:])
     assert len(visitor.history) <= 2 * 3, "the dropped turns are not kept either"
+    assert len(visitor.chat) == 2 * 5, "the page shows the newest turns"
 
 
 def test_visitor_tables_are_shared_until_they_learn_and_few_keep_their_own(tiny, tmp_path):

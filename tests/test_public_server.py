@@ -125,7 +125,7 @@ def test_every_handler_answers_bad_input_with_a_message(served, capsys):
         "tokens as text": (chat(max_new_tokens="many"), ("max_new_tokens", "Expected a `float`")),
         "a fraction of a token": (chat(max_new_tokens=2.5), ("max_new_tokens", "whole number")),
         "datastore as a path": (chat(static="/etc/passwd"), ("static", choices)),
-        "n_min above n_max": (chat(n_min=8, n_max=2), ("n_min", "n\\\\_min")),  # the page's Markdown: n\\_min
+        "n_min above n_max": (chat(n_min=8, n_max=2), ("n_min", "n\\\\_min")),  # Markdown's n\\_min, in JSON
         "seed as text": (chat(seed="abc"), ("seed", "Expected a `float`", "Expected a")),
         "race, unknown model": (race(model="org/model"), ("offers these models only", choices)),
         "race, huge prompt": (race("x" * 50_000), ("at most 4,000",)),
@@ -223,14 +223,24 @@ def test_thirty_decodes_from_one_client_hold_two_places_and_another_address_gets
     assert kind_of(honest) == "answered", "a visitor at another address still got a place"
 
 
-def test_the_queue_is_bounded(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A public server with small bounds: a queue of 16, 4 decodes waiting, the state of 16 sessions, and a
+    visitor's state kept 2 s after its latest request."""
     import app
 
     tiny = make_tiny_lm(max_positions=512)
-    policy = replace(POLICY, queue_size=16, max_waiting=4)
+    policy = replace(POLICY, queue_size=16, max_waiting=4, max_sessions=16, session_idle_s=2)
     demo = app.build_demo(lm_factory=lambda name: tiny, store_factory=lambda tok: None, cost_factory=no_chooser,
-                          trace_db=str(tmp_path / "t.sqlite"), preload=False, defaults=TINY, policy=policy)
+                          trace_db=str(tmp_path_factory.mktemp("small") / "t.sqlite"), preload=False, defaults=TINY,
+                          policy=policy)
     _, url, _ = app.launch(demo, prevent_thread_lock=True, server_port=free_port(), quiet=True)
+    yield demo, url, tiny
+    demo.close()
+
+
+def test_the_queue_is_bounded(small, capsys):
+    demo, url, tiny = small
     hook = tiny.model.register_forward_pre_hook(lambda module, args: time.sleep(0.02))
     try:
         page = many.Page(url)
@@ -244,13 +254,33 @@ def test_the_queue_is_bounded(tmp_path, capsys):
             t.join()
     finally:
         hook.remove()
-        demo.close()
     kinds = Counter(kind_of(a) if a.outcome != "refused" else f"{a.status}: {a.message}" for a in answers)
     with capsys.disabled():
         print(f"\n40 decodes at once, queue of 16, 4 waiting in line: {dict(kinds)}")
     full = [a for a in answers if a.outcome == "refused"]
     assert full and all(a.status == 503 and "full" in a.message.lower() for a in full), "past 16 the queue refuses"
     assert kinds["answered"] >= 5
+
+
+def test_the_server_keeps_few_sessions_and_forgets_idle_ones(small, tmp_path):
+    from gradio_client import Client, handle_file
+
+    demo, url, _ = small
+    page = many.Page(url)
+    data = many.default_values(page, "explore", Context=PROMPT)
+    for k in range(24):  # 24 visitors at addresses of their own
+        assert page.call("explore", data, headers=forwarded(f"192.0.2.{k}")).outcome == "done"
+    assert demo.state_session_capacity == 16 and len(demo.state_holder.session_data) <= 16
+    note = tmp_path / "notes.txt"
+    note.write_text("t5 t6 t7 t8 t9 " * 50)
+    client = Client(url, verbose=False, headers=forwarded("192.0.2.200"))
+    status, _, _ = client.predict([handle_file(str(note))], "tiny", api_name="/build_datastore")
+    folder = sup.sessions_root() / client.session_hash
+    assert "Your datastore" in status and (folder / "store").is_dir()
+    deadline = time.monotonic() + 30
+    while folder.exists() and time.monotonic() < deadline:  # idle past its 2 s: its state and folder go
+        time.sleep(0.5)
+    assert not folder.exists()
 
 
 def test_explore_and_building_a_store_take_their_turn_in_the_line(served, tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
 from datastores import assemble_stores, store_labels
@@ -37,7 +37,9 @@ class Prepared:
     prompt_ids: list[int]
     decoder: RestDecoder
     notice: str  # a notice for the page ("" when none)
-    history: list[dict]  # the earlier chat turns the prompt holds (the oldest may have been dropped)
+    history: list[dict] = field(default_factory=list)  # the earlier chat turns the prompt holds (the oldest may
+    # have been dropped)
+    dropped: str = ""  # what the page says, to the answer's end, when the oldest turns were dropped
 
     def forward_curve(self) -> Optional[Callable[[int], float]]:
         """The forward-pass time of q tokens as this decode's cost model holds it (at the machine's speed of
@@ -134,9 +136,8 @@ def prepare(engine: Engine, session: Session, settings: Settings, message: str, 
     if cfg.draft_budget is None and not slot.measured:
         yield say("Measuring this machine's forward-pass cost for the automatic budget (once)…")
     decoder, notice = make_decoder(engine, slot, session, settings, cfg)
-    if len(kept) < len(history) and budget is not None:
-        notice = " ".join(filter(None, [dropped_note((len(history) - len(kept)) // 2, budget), notice]))
-    return Prepared(slot, cfg, prompt_ids, decoder, notice, kept)
+    dropped = dropped_note((len(history) - len(kept)) // 2, budget) if len(kept) < len(history) and budget else ""
+    return Prepared(slot, cfg, prompt_ids, decoder, " ".join(filter(None, [dropped, notice])), kept, dropped)
 
 
 def start_run(engine: Engine, prep: Prepared, settings: Settings, session: Session, prompt_text: str) -> Recording:

@@ -33,7 +33,8 @@ from datastores import (
 )
 from datastores.answer_prompts import answer_prompts
 from rest_core.app.policy import Policy, markdown_text
-from rest_core.app.settings import MAX_MODELS, log, message_of
+from rest_core.app.settings import MAX_MODELS, STORE_RETRY_S, log, message_of
+from rest_core.app.status import status_text, store_progress
 from rest_core.app.turns import Busy, Turns
 from rest_core.cost import CostModel
 from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, generate_batch, load_model, load_tokenizer
@@ -42,7 +43,6 @@ from rest_core.traces.recorder import TraceRecorder, default_db_path
 MAX_TOKENIZERS = 8  # tokenizers kept for replaying runs of models that are not loaded
 CostFactory = Callable[[LoadedModel, Sequence[Store], str], Any]  # (model, stores, kind of prompt) -> budget chooser
 AnswersFactory = Callable[["ModelSlot", Callable[[], None], "StoreSlot"], Any]  # (slot, pause, its StoreSlot) -> store
-STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
 MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
 TRACE_BUSY_S = 5.0  # how long a write waits for a trace store another program holds
 TOKENIZER_WAIT_S = 120.0  # how long loading a tokenizer for a replay waits for its turn (then ids are shown)
@@ -159,30 +159,6 @@ def _store_build_dir(tokenizer: Any) -> Optional[Path]:
         return default_store_path(tokenizer)
     except Exception:  # only used to show progress
         return None
-
-
-def _store_line(engine: Engine, st: StoreSlot) -> str:
-    return {
-        "idle": "built-in datastore not opened yet",
-        "building": "building the built-in datastore from Python sources (first time on this machine "
-                    f"only; it takes a few minutes: {engine.store_progress(st)}). Until it is ready, "
-                    "answers draft from the request and history stores only",
-        "ready": f"built-in datastore ready ({getattr(st.store, 'n_tokens', 0):,} tokens)",
-        "failed": f"⚠ built-in datastore unavailable ({markdown_text(st.error, 200)}); tried again after "
-                  f"{STORE_RETRY_S:.0f} s",
-        "off": "no built-in datastore",
-    }[st.state]
-
-
-def _answers_line(st: StoreSlot) -> str:
-    return {
-        "idle": "",
-        "building": f"the general-text store is being built: the model answers {st.total or 'a few hundred'} "
-                    f"requests, once on this machine ({st.done} so far; it pauses while you decode)",
-        "ready": f"general-text store ready ({getattr(st.store, 'n_tokens', 0):,} tokens of the model's answers)",
-        "failed": f"⚠ general-text store unavailable ({markdown_text(st.error, 200)})",
-        "off": "",
-    }[st.state]
 
 
 class Engine:
@@ -382,32 +358,11 @@ class Engine:
             log.warning("preloading the default model failed: %s", message_of(err))
 
     def store_progress(self, st: StoreSlot) -> str:
-        elapsed = time.time() - st.started
-        done = ""
-        if st.path is not None:
-            sizes = [p.stat().st_size for p in st.path.parent.glob(f".{st.path.name}.building-*/tokens.u32")
-                     if p.exists()]
-            if sizes:
-                done = f", {max(sizes) // 4 / 1e6:.1f}M tokens so far"
-        return f"{elapsed:.0f} s{done}"
+        return store_progress(st)
 
     def status(self) -> str:
-        """One line per model: loading / loaded, and the state of its built-in store."""
-        lines = []
-        for name, since in list(self.loading.items()):
-            lines.append(f"Loading model **{markdown_text(name)}** ({time.time() - since:.0f} s so far; the very "
-                         "first load on a machine converts the offline copy, about 30 s).")
-        for name, error in list(self.load_errors.items()):
-            if name not in self.models and self.policy.offers(name):
-                lines.append(f"⚠ Model **{markdown_text(name)}** could not be loaded: {markdown_text(error, 300)}")
-        for name, slot in list(self.models.items()):
-            lm = slot.lm
-            lines.append(f"✓ Model **{markdown_text(name)}** on {lm.device.type} ({str(lm.dtype).split('.')[-1]}); "
-                         f"{_store_line(self, slot.static)}" +
-                         (f"; {line}." if (line := _answers_line(slot.answers)) else "."))
-        if self.trace_notice:
-            lines.append(self.trace_notice)
-        return "\n\n".join(lines) or "Starting: the model loads on first use."
+        """One line per model: loading / loaded, and the state of its built-in store (rest_core.app.status)."""
+        return status_text(self)
 
     def tokenizer_for(self, name: Optional[str], owner: str = "", address: str = "", in_turn: bool = False) -> Any:
         """A tokenizer for replaying a run or building a visitor's store: a loaded model's, else one loaded alone

@@ -40,6 +40,8 @@ from rest_core.traces import figures
 
 V = TypeVar("V")
 TURN_POLL_S = 1.0  # a waiting decode tells its visitor its place in line this often
+CHAT_TURNS_SHOWN = 20  # a public server keeps the newest turns of a visitor's chat on the page (each a message and
+# its answer), whatever the model still reads of them (policy.max_chat_tokens)
 
 @dataclass
 class View:
@@ -80,7 +82,7 @@ class LiveAnswer:
         self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
         self.latest, self.shown, self.started = -1, -1, 0.0
         self.ids: list[int] = []  # every token decoded so far
-        self.notice = prep.notice  # what the page said about this answer before it started (kept to its end)
+        self.notice = prep.dropped  # what the page says about this answer to its end
 
     def rows(self) -> list[dict]:
         """The steps stored so far (those read before, when the store cannot be read now)."""
@@ -193,7 +195,8 @@ def chat_turn(engine: Engine, session: Session, settings: Settings, message: str
         return
     if settings.mode != "chat":
         session.clear_chat()  # completions are independent: no earlier turns
-    chat = session.chat + [user_bubble(message), {"role": "assistant", "content": "…"}]
+    shown = -2 * CHAT_TURNS_SHOWN if engine.policy.public else None  # a public server shows the newest turns
+    chat = (session.chat + [user_bubble(message), {"role": "assistant", "content": "…"}])[shown:]
     ticket = None
     try:
         ticket = yield from take_turn(engine, session, partial(_say_in_chat, chat))

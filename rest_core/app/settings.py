@@ -21,6 +21,7 @@ MAX_MODELS = int(os.environ.get("REST_LAB_MAX_MODELS", 2))  # models kept in mem
 FIGURE_INTERVAL_S = 0.25  # at most 4 figure redraws per second while decoding...
 FIGURE_SHARE = 0.15  # ...and drawing takes at most this share of the time (it competes with the decode)
 STORE_WAIT_S = 3.0  # how long a decode waits for the built-in store before going on without it
+STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
 TEXT_INTERVAL_S = 0.08  # the streamed answer: at most about 12 updates per second
 BUILT_IN, UPLOADED, NO_STATIC = "built-in (Python sources)", "my uploaded files", "none"
 # when the general-text store (the model's own answers to varied requests) drafts
