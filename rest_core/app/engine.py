@@ -46,6 +46,7 @@ AnswersFactory = Callable[["ModelSlot", Callable[[], None], "StoreSlot"], Any]  
 MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
 TRACE_BUSY_S = 5.0  # how long a write waits for a trace store another program holds
 TOKENIZER_WAIT_S = 120.0  # how long loading a tokenizer for a replay waits for its turn (then ids are shown)
+TOKENIZER_RETRY_S = 60.0  # a tokenizer that failed to load is tried again this long after
 
 
 @dataclass
@@ -196,6 +197,7 @@ class Engine:
         self.loading: dict[str, float] = {}  # model name -> when its load began
         self.load_errors: dict[str, str] = {}
         self._tokenizers: dict[str, Any] = {}
+        self._tokenizer_failed: dict[str, float] = {}  # name -> when loading its tokenizer last failed
         self._preloading = False
         self._load_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -377,6 +379,8 @@ class Engine:
             return None
         if name in self._tokenizers:
             return self._tokenizers[name]
+        if time.monotonic() - self._tokenizer_failed.get(name, -TOKENIZER_RETRY_S) < TOKENIZER_RETRY_S:
+            return None  # it failed a moment ago: replays show ids meanwhile
         ticket = None
         try:
             if self.policy.public and not in_turn:
@@ -385,7 +389,11 @@ class Engine:
                     return None
             with self._load_lock:
                 if name not in self._tokenizers:
-                    self._keep_tokenizer(name, self._load_tokenizer(name))
+                    tokenizer = self._load_tokenizer(name)
+                    if tokenizer is None:
+                        self._tokenizer_failed[name] = time.monotonic()
+                        return None
+                    self._keep_tokenizer(name, tokenizer)
                 return self._tokenizers[name]
         except Busy:
             return None

@@ -141,31 +141,33 @@ class UploadLedger:
             return Reservation(address, nbytes, entry)
 
     def settle(self, r: Reservation, nbytes: int, files: int) -> None:
-        """The request stored `nbytes` in `files` files (Refused, the reservation given up, when the files are
-        more than allowed: the caller removes them)."""
-        policy, entry = self.policy, r.entry
+        """The request stored `nbytes` in `files` files (Refused, the reservation given up, when an upload's files
+        are more than allowed: the caller removes them).  A copy into a visitor's folder is only counted."""
         with self._lock:
             self.reserved -= r.nbytes
-            if entry is not None:
-                entry[1] = 0
-            refusal = None
-            if entry is not None and files > policy.max_upload_files:
-                refusal = Refused(413, f"Upload refused: {files} files in one request; at most "
-                                       f"{policy.max_upload_files} are accepted.")
-            elif self.measured[1] + self.since[1] + files > policy.max_upload_total_files:
-                refusal = Refused(507, "Upload refused: the server holds as many uploaded files as it can right now. "
-                                       "Try again later.")
-            elif entry is not None and self._address_use(r.address, time.monotonic())[1] + files > \
-                    policy.max_upload_address_files:
-                refusal = Refused(429, f"Upload refused: your network address has uploaded too many files in the "
-                                       f"last {self._window() / 60:.0f} minutes (at most "
-                                       f"{policy.max_upload_address_files}). Try again later.")
-            if refusal is not None:
-                raise refusal
-            if entry is not None:
-                entry[1], entry[2] = nbytes, files
+            if r.entry is not None:
+                r.entry[1] = 0
+                refusal = self._too_many(r.address, files)
+                if refusal is not None:
+                    raise refusal
+                r.entry[1], r.entry[2] = nbytes, files
             self.since[0] += nbytes
             self.since[1] += files
+
+    def _too_many(self, address: str, files: int) -> Optional[Refused]:
+        """Why an upload of `files` files from `address` is refused (None: it is not)."""
+        policy = self.policy
+        if files > policy.max_upload_files:
+            return Refused(413, f"Upload refused: {files} files in one request; at most {policy.max_upload_files} "
+                                "are accepted.")
+        if self.measured[1] + self.since[1] + files > policy.max_upload_total_files:
+            return Refused(507, "Upload refused: the server holds as many uploaded files as it can right now. Try "
+                                "again later.")
+        if self._address_use(address, time.monotonic())[1] + files > policy.max_upload_address_files:
+            return Refused(429, f"Upload refused: your network address has uploaded too many files in the last "
+                                f"{self._window() / 60:.0f} minutes (at most {policy.max_upload_address_files}). "
+                                "Try again later.")
+        return None
 
     def release(self, r: Reservation) -> None:
         """The request stored nothing: its reservation is given back."""

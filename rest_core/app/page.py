@@ -17,7 +17,7 @@ import gradio as gr
 
 from rest_core.app.engine import Engine
 from rest_core.app.explorer import explore
-from rest_core.app.guard import Refused, UploadLedger, folder_usage, sweep
+from rest_core.app.guard import Refused, Reservation, UploadLedger, folder_usage, sweep
 from rest_core.app.live import View, chat_turn, race, take_turn
 from rest_core.app.policy import markdown_text
 from rest_core.app.recording import STORE_ERRORS
@@ -186,18 +186,21 @@ STORE_BYTES_PER_TOKEN = 12  # a built store on disk, per token (tokens, suffix a
 def on_build(page: Page, files: Any, state: Any, model_name: str, request: gr.Request,
              progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[dict]:
     """Copy the visitor's uploads into their folder and build their store (on a public server after a turn in the
-    line of decodes, the tokenizer loaded without the model, at most max_upload_tokens tokens)."""
+    line of decodes, the room it takes reserved, the tokenizer loaded without the model, at most max_upload_tokens
+    tokens)."""
     sess = visitor(page, state, request)
-    engine, ticket = page.engine, None
+    engine, ticket, reservation = page.engine, None, None
     try:
         progress(0.0, desc="Checking the files")
         paths = [getattr(f, "name", f) for f in (files or []) if isinstance(getattr(f, "name", f), str)]
         name = engine.canonical(model_name)
         engine.policy.check_model(name)
+        cache = Path(page.demo.GRADIO_CACHE).resolve()
         if engine.policy.public:
             ticket = yield from take_turn(engine, sess, lambda text: {page.upload_status: markdown_text(text),
                                                                       page.session: sess})
-        docs = _copy_uploads(page, sess, paths)
+            reservation = _reserve_copy(page, sess, paths, cache)
+        docs = save_uploads(sess, paths, upload_root=cache, policy=engine.policy)
         progress(0.05, desc="Loading the model's tokenizer")
         tokenizer = engine.tokenizer_for(name, in_turn=True)
         if tokenizer is None:
@@ -211,33 +214,26 @@ def on_build(page: Page, files: Any, state: Any, model_name: str, request: gr.Re
                page.notice: notice_update(text)}
         return
     finally:
+        if reservation is not None:  # what the visitor's folder holds now counts, in place of the reservation
+            page.uploads_ledger.settle(reservation, *folder_usage([sess.folder]))
         if ticket is not None:
             ticket.leave()
     yield {page.upload_status: upload_summary(sess, store), page.settings["static"]: UPLOADED,
            page.session: sess, page.notice: notice_update("")}
 
 
-def _copy_uploads(page: Page, sess: Session, paths: list[str]) -> list[tuple[str, str]]:
-    """save_uploads, with the room the copy and the store built from it take reserved in the uploads' ledger on a
-    public server (UploadError when there is none)."""
-    policy, ledger = page.engine.policy, page.uploads_ledger
-    cache = Path(page.demo.GRADIO_CACHE).resolve()
-    if ledger is None:
-        return save_uploads(sess, paths, upload_root=cache, policy=policy)
+def _reserve_copy(page: Page, sess: Session, paths: list[str], cache: Path) -> Reservation:
+    """Reserve in the uploads' ledger the room a visitor's files take once copied into their folder, and the store
+    built from them (UploadError when there is none)."""
+    policy = page.engine.policy
     sweep(policy)
     size = upload_bytes([p for p in paths[:policy.max_upload_files + 1] if Path(p).resolve().is_relative_to(cache)])
     try:
-        reservation = ledger.reserve(sess.address, size + STORE_BYTES_PER_TOKEN * min(size, policy.max_upload_tokens),
-                                     per_address=False)
+        return page.uploads_ledger.reserve(sess.address, size + STORE_BYTES_PER_TOKEN * min(size,
+                                                                                            policy.max_upload_tokens),
+                                           per_address=False)
     except Refused as refusal:
         raise UploadError(str(refusal).replace("Upload refused: ", "")) from None
-    try:
-        docs = save_uploads(sess, paths, upload_root=cache, policy=policy)
-    except BaseException:
-        ledger.release(reservation)
-        raise
-    ledger.settle(reservation, *folder_usage([sess.files_dir]))
-    return docs
 
 
 def show_step(page: Page, run_id: Any, index: Any, state: Any, request: gr.Request) -> dict:

@@ -86,7 +86,7 @@ LIMITS: dict[str, tuple[str, int, int]] = {
     "max_upload_total_bytes": ("REST_LAB_MAX_UPLOAD_TOTAL_MB", 2**20, 0),
     "max_upload_total_files": ("REST_LAB_MAX_UPLOAD_TOTAL_FILES", 1, 1),
     "max_upload_tokens": ("REST_LAB_MAX_UPLOAD_TOKENS", 1, 1000),
-    "session_idle_s": ("REST_LAB_SESSION_IDLE_MIN", 60, 0),
+    "session_idle_s": ("REST_LAB_SESSION_IDLE_MIN", 60, 1),
     "max_sessions": ("REST_LAB_MAX_SESSIONS", 1, 16),
     "max_sessions_per_address": ("REST_LAB_MAX_SESSIONS_PER_ADDRESS", 1, 1),
     "max_session_tables": ("REST_LAB_MAX_SESSION_TABLES", 1, 1),

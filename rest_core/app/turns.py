@@ -58,8 +58,8 @@ class Turns:
         `per_address`, or the line is full)."""
         with self._cond:
             if self.one_each and any(t.owner == owner for t in self._line):
-                raise Busy("You already have a decode running or waiting: wait for it to finish, or press Stop "
-                           "first.")
+                raise Busy("You already have a decode or another turn in the line (a look-up, a store build) running "
+                           "or waiting: wait for it to finish, or press Stop first.")
             if self.per_address is not None and sum(t.address == address for t in self._line) >= self.per_address:
                 raise Busy(f"Your network address already has {self.per_address} decodes running or waiting (every "
                            "page open from one address counts together): wait for one of them to finish.")
