@@ -21,7 +21,7 @@ import pytest
 
 from datastores import DatastoreError, RecycleStore, cache_dir
 from rest_core import app as sup
-from rest_core.app import session as session_module
+from rest_core.app import engine as engine_module
 from rest_core.traces import figures
 from rest_core.traces.recorder import TraceRecorder
 
@@ -299,17 +299,20 @@ def test_visitor_tables_start_from_the_persisted_one_and_are_never_saved(engine,
     learned.table[3] = list(range(10, 18))  # what command-line runs learned after token 3
     learned.save()
     before = persisted.read_bytes()
-    monkeypatch.setattr(session_module, "default_recycle_path", lambda name, tok: persisted)
-    mine = session.recycle_store(tiny)
-    assert mine.path is None and mine.table is not learned.table and list(mine.table[3]) == list(range(10, 18))
+    monkeypatch.setattr(engine_module, "default_recycle_path", lambda name, tok: persisted)
+    slot = engine.model("tiny")
+    mine = session.recycle_store(slot)
+    assert mine.path is None and list(mine.table[3]) == list(range(10, 18))
     run_turn(engine, session, MODEL_ONLY, PROMPT)
     run_turn(engine, session, MODEL_ONLY, "t11 t12 t13")
-    assert session.recycle_store(tiny) is mine and mine.known > learned.known, "it learned from this visitor"
+    assert session.recycle_store(slot) is mine and mine.known > learned.known, "it learned from this visitor"
     assert persisted.read_bytes() == before and recycle_files() == [persisted], "nothing written to disk"
-    other = sup.Session(id="visitor-b").recycle_store(tiny)
+    other = sup.Session(id="visitor-b").recycle_store(slot)
     assert (other.table == learned.table).all(), "another visitor starts from the persisted table, not from mine"
-    persisted.write_bytes(b"not a table")  # an unreadable table: the visitor starts empty
-    assert sup.Session(id="visitor-c").recycle_store(tiny).known == 0
+    persisted.write_bytes(b"not a table")  # an unreadable table: a server that reads it starts empty
+    fresh = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: None, cost_factory=no_chooser,
+                       recorder=engine.recorder)
+    assert sup.Session(id="visitor-c").recycle_store(fresh.model("tiny")).known == 0
 
 
 def test_explorer_shows_the_model_source(engine, session):
@@ -471,7 +474,8 @@ def test_upload_store_is_built_and_drafts(tmp_path, session):
     code = "def frobnicate_widgets(widget_list, factor):\n    return [w * factor for w in widget_list]\n"
     (tmp_path / "mine.py").write_text(code * 3)
     docs = sup.save_uploads(session, [str(tmp_path / "mine.py")])
-    store = sup.build_upload_store(session, docs, engine.model(None), progress=False)
+    tokenizer = engine.model(None).lm.tokenizer
+    store = sup.build_upload_store(session, docs, tokenizer, engine.canonical(None), progress=False)
     assert store.n_tokens > 20 and "Your datastore" in sup.upload_summary(session, store)
     out = sup.explore(engine, session, sup.Settings(static=sup.UPLOADED, request_store=False),
                       "def frobnicate_widgets(widget", 16)

@@ -28,6 +28,7 @@ from rest_core.app.panels import (
     step_ms,
     why_speed_html,
 )
+from rest_core.app.policy import markdown_safe
 from rest_core.app.recording import STORE_ERRORS, Recording
 from rest_core.app.session import Session
 from rest_core.app.settings import FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
@@ -39,6 +40,8 @@ from rest_core.traces import figures
 
 V = TypeVar("V")
 TURN_POLL_S = 1.0  # a waiting decode tells its visitor its place in line this often
+CHAT_TURNS_SHOWN = 20  # a public server keeps the newest turns of a visitor's chat on the page (each a message and
+# its answer), whatever the model still reads of them (policy.max_chat_tokens)
 
 @dataclass
 class View:
@@ -79,6 +82,7 @@ class LiveAnswer:
         self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
         self.latest, self.shown, self.started = -1, -1, 0.0
         self.ids: list[int] = []  # every token decoded so far
+        self.notice = prep.dropped  # what the page says about this answer to its end
 
     def rows(self) -> list[dict]:
         """The steps stored so far (those read before, when the store cannot be read now)."""
@@ -143,7 +147,8 @@ class LiveAnswer:
                         f"({result.tokens_per_s:.1f} tokens/s).</div>")
         view = View(chat=self.chat, metrics=metrics + why_speed_html(rows, per_token, curve=self.curve,
                                                                      measured=f"estimated from {how}"),
-                    run_id=self.run_id, done=True, notice=stopped or "", warning=stopped)
+                    run_id=self.run_id, done=True, notice=" ".join(filter(None, [self.notice, stopped])),
+                    warning=stopped)
         if rows:  # the run is over: show its most telling step (the one that accepted most drafts)
             try:
                 run = self.engine.recorder.get_run(self.run_id)
@@ -154,14 +159,14 @@ class LiveAnswer:
 
 
 def _say_in_chat(chat: list, text: str) -> View:
-    chat[-1]["content"] = html.escape(text)
+    chat[-1]["content"] = markdown_safe(text)  # the chat renders Markdown
     return View(chat=chat, notice="")
 
 
 def take_turn(engine: Engine, session: Session, say: Callable[[str], V]) -> Generator[V, None, Ticket]:
     """A place in the line of decodes, waited for (Busy when there is none); yields say(where it is)
     while waiting.  The caller leaves the line in a finally; a visitor who leaves while waiting leaves it."""
-    ticket = engine.turns.join(session.id)
+    ticket = engine.turns.join(session.id, session.address)
     try:
         while not ticket.wait(TURN_POLL_S):
             ahead = ticket.ahead()
@@ -190,14 +195,15 @@ def chat_turn(engine: Engine, session: Session, settings: Settings, message: str
         return
     if settings.mode != "chat":
         session.clear_chat()  # completions are independent: no earlier turns
-    chat = session.chat + [user_bubble(message), {"role": "assistant", "content": "…"}]
+    shown = -2 * CHAT_TURNS_SHOWN if engine.policy.public else None  # a public server shows the newest turns
+    chat = (session.chat + [user_bubble(message), {"role": "assistant", "content": "…"}])[shown:]
     ticket = None
     try:
         ticket = yield from take_turn(engine, session, partial(_say_in_chat, chat))
         yield from _chat_turn(engine, session, settings, message, chat)
     except Exception as err:  # every failure becomes a message in the page
         text = message_of(err)
-        chat[-1]["content"] = f"⚠ {html.escape(text)}"
+        chat[-1]["content"] = f"⚠ {markdown_safe(text)}"
         yield View(chat=chat, notice=text, warning=text, done=True)
     finally:
         if ticket is not None:
@@ -219,8 +225,8 @@ def _chat_turn(engine: Engine, session: Session, settings: Settings, message: st
         return
     session.chat = chat
     if settings.mode == "chat":
-        session.history = session.history + [{"role": "user", "content": message},
-                                             {"role": "assistant", "content": result.text}]
+        session.history = prep.history + [{"role": "user", "content": message},
+                                          {"role": "assistant", "content": result.text}]
     session.remember(prep.slot.lm.name, result.tokens)
     yield answer.finished(result)
 

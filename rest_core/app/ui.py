@@ -19,7 +19,7 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from rest_core import app as lab
-from rest_core.app.guard import UploadGuard
+from rest_core.app.guard import UploadGuard, UploadLedger, refuse_url_files
 from rest_core.app.page import (
     GPU_WRAPPER,
     Page,
@@ -120,8 +120,8 @@ def build_sidebar(page: Page, defaults: lab.Settings) -> None:
                                              "Learned from your decodes (on top of command-line runs'); never "
                                              "saved or shared.")
         with gr.Accordion("Your files → your datastore", open=False):
-            page.uploads = gr.File(file_count="multiple", label="Text or code files (20 MB in all)",
-                                   elem_id="uploads", file_types=UPLOAD_TYPES)
+            page.uploads = gr.File(file_count="multiple", elem_id="uploads", file_types=UPLOAD_TYPES,
+                                   label=f"Text or code files ({policy.max_upload_bytes / 2**20:.0f} MB in all)")
             page.build_btn = gr.Button("Build my datastore", size="sm", elem_id="build-btn")
             page.upload_status = gr.Markdown(upload_note(page.engine.policy), elem_id="upload-status")
         most = policy.max_new_tokens if policy.public else 512
@@ -288,7 +288,7 @@ def wire_page(page: Page) -> None:
                            concurrency_limit=None, api_visibility="private")
     page.build_btn.click(bound(on_build, page), [page.uploads, page.session, page.settings["model"]],
                          [page.upload_status, page.settings["static"], page.session, page.notice],
-                         api_name="build_datastore", concurrency_id="build", concurrency_limit=1)
+                         api_name="build_datastore", concurrency_id="model", concurrency_limit=decode_handlers(page))
     chat_event = page.message.submit(
         bound(on_chat, page), [page.message, page.session, *page.settings.values()],
         [page.chatbot, page.tree_plot, page.mask_plot, page.speed_plot, page.metrics, page.notice, page.message,
@@ -345,24 +345,30 @@ def wire_replay(page: Page) -> None:
     page.open_steps.click(bound(to_steps_tab, page), None, [page.tabs], **private)
     explore_in = [page.explore_text, page.explore_budget, page.session, *page.settings.values()]
     explore_out = [page.explore_summary, page.explore_suffix, page.explore_rows, page.explore_tree, page.session]
-    page.explore_btn.click(bound(on_explore, page), explore_in, explore_out, api_name="explore", concurrency_limit=2)
-    page.explore_text.submit(bound(on_explore, page), explore_in, explore_out, concurrency_limit=2, **private)
+    line = dict(concurrency_id="model", concurrency_limit=decode_handlers(page))  # it takes a turn in the line
+    page.explore_btn.click(bound(on_explore, page), explore_in, explore_out, api_name="explore", **line)
+    page.explore_text.submit(bound(on_explore, page), explore_in, explore_out, **line, **private)
 
 
 def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Callable] = None,
                cost_factory: Optional[Callable] = None, trace_db: Optional[str] = None, preload: bool = True,
-               defaults: Optional[lab.Settings] = None, policy: Optional[Policy] = None) -> gr.Blocks:
-    """The page. Factories replace the default model, built-in store and cost model (tests);
+               defaults: Optional[lab.Settings] = None, policy: Optional[Policy] = None,
+               **engine_options: Any) -> gr.Blocks:
+    """The page. Factories replace the default model, built-in store and cost model (tests; `engine_options`:
+    the Engine's others, answers_factory and tokenizer_factory);
     `defaults` sets the controls' initial values; `preload` loads the default model and store
     in the background when the first page opens; `policy` (default: from the environment) says
-    whether the server is public and its limits. Nothing is read or written until it is used."""
+    whether the server is public and its limits (then a visitor's state expires after the idle
+    time, the page's queue holds at most queue_size requests, uploads are counted in a ledger and
+    a web address is refused as a file). Nothing is read or written until it is used."""
     policy = policy or Policy.from_env()
     page = Page(lab.Engine(lm_factory=lm_factory, store_factory=store_factory, cost_factory=cost_factory,
-                       trace_db=trace_db, policy=policy), preload)
+                           trace_db=trace_db, policy=policy, **engine_options), preload)
     cleanup = (600, max(600, int(policy.session_idle_s))) if policy.public else None  # Gradio's upload cache
     with gr.Blocks(title="REST Lab", fill_width=True, delete_cache=cleanup) as demo:
         demo.engine, page.demo = page.engine, demo
-        page.session = gr.State(None, delete_callback=lab.discard_session)
+        page.session = gr.State(None, delete_callback=lab.discard_session,
+                                time_to_live=policy.session_idle_s if policy.public else None)
         build_sidebar(page, defaults or lab.Settings())
         with gr.Row(equal_height=False):
             gr.Markdown(INTRO, elem_classes="intro")
@@ -382,23 +388,26 @@ def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Ca
         wire_page(page)
         wire_replay(page)
         wire_teach(page, decode_handlers(page))
+    demo.page = page
+    if policy.public:
+        page.uploads_ledger = UploadLedger(policy, lambda: [lab.sessions_root(), Path(demo.GRADIO_CACHE)])
+        refuse_url_files(page.uploads)
+        demo.queue(max_size=policy.queue_size)
     return demo
 
 
 def launch(app: gr.Blocks, **options: Any) -> Any:
     """Launch with the page's look and upload limit (tests pass prevent_thread_lock, a port...);
     session folders a previous server left behind are removed first.  A public server's upload
-    route is guarded (rest_core.app.guard)."""
+    route is guarded (rest_core.app.guard) and it keeps the state of at most max_sessions sessions."""
     lab.prune_sessions()
     options.setdefault("show_error", True)  # a value the page's controls refuse gets its reason, not "error"
     policy = app.engine.policy
     if policy.public:
-        def roots() -> list[Path]:
-            return [lab.sessions_root(), Path(app.GRADIO_CACHE)]
-
         kwargs = options.get("app_kwargs", {})
-        guard = Middleware(UploadGuard, policy=policy, roots=roots)
+        guard = Middleware(UploadGuard, ledger=app.page.uploads_ledger)
         options["app_kwargs"] = {**kwargs, "middleware": [*kwargs.get("middleware", []), guard]}
+        options.setdefault("state_session_capacity", policy.max_sessions)
         log.warning("public mode (%s): models %s; limits in the README's \"Public mode\"",
                     policy.reason or "asked for", ", ".join(policy.models))
     return app.launch(**{**LAUNCH_OPTIONS, **options})
