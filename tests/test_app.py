@@ -737,3 +737,35 @@ def test_a_decode_explains_its_speed_with_its_own_cost_model():
     assert chosen.forward_curve()(1) == chooser.forward_ms(1) == 51.0
     fixed = Prepared(calibrated, None, [1], SimpleNamespace(budget_chooser=None), "")
     assert fixed.forward_curve()(1) == 1.0
+
+
+def test_kept_or_shipped_answers_open_at_once_and_only_a_real_build_waits_for_the_built_in_store(monkeypatch):
+    """The general-text store opens at once when its answers are kept or ship with the package, even while the
+    built-in store is still being built (a fresh machine's first chat drafts from it); only when the model has to
+    answer the requests does it wait for the built-in store's build to end (one build at a time on the cores)."""
+    calls = []
+
+    def fake_open(spec, name, tokenizer, generate=None, progress=True):
+        calls.append(generate is None)
+        if generate is None and shipped:
+            return "store from shipped answers"
+        if generate is None:
+            raise DatastoreError("not built yet")
+        return "store the model answered"
+
+    monkeypatch.setattr(engine_module, "open_answers", fake_open)
+    monkeypatch.delenv("REST_LAB_ANSWERS", raising=False)
+    slot = SimpleNamespace(lm=SimpleNamespace(name="m", tokenizer=None),
+                           static=SimpleNamespace(finished=threading.Event()))
+    st = engine_module.StoreSlot()
+    shipped = True
+    assert engine_module.default_answers_factory(slot, lambda: None, st) == "store from shipped answers"
+    assert calls == [True]  # the built-in store (not finished) was not waited for
+    shipped, got = False, []
+    worker = threading.Thread(target=lambda: got.append(engine_module.default_answers_factory(slot, lambda: None, st)))
+    worker.start()
+    worker.join(0.5)
+    assert worker.is_alive() and not got  # the model would answer: it waits for the built-in store's build
+    slot.static.finished.set()
+    worker.join(5)
+    assert got == ["store the model answered"] and calls == [True, True, False]
