@@ -25,7 +25,7 @@ from rest_core.app.policy import Policy
 from rest_core.model import DEFAULT_MODEL
 from rest_core.traces.recorder import TraceRecorder
 
-from conftest import free_port, make_tiny_lm, no_chooser, script
+from conftest import free_port, make_tiny_lm, no_chooser, tool
 
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("module_cache")]
 
@@ -36,7 +36,7 @@ TINY = sup.Settings(model="tiny", mode="completion", static=sup.NO_STATIC, max_n
 POLICY = Policy(public=True, reason="test", models=(DEFAULT_MODEL, "tiny"), max_waiting=12, trusted_proxies=1)
 USERS, LOAD_S = 8, 12.0  # the load test: visitors at once, and how long each keeps sending
 CLIENT = "10.66.0.1"  # the one client that opens many sessions
-many = script("many_sessions")  # raw requests to the page's queue, as a browser (or a script) sends them
+many = tool("many_sessions")  # raw requests to the page's queue, as a browser (or a script) sends them
 forwarded = many.forwarded
 
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 from test_public_server import CLIENT, LOAD_S, USERS, visitor
 
-from conftest import free_port, script
+from conftest import free_port, tool
 
 pytestmark = pytest.mark.usefixtures("module_cache")
 
 ROOT = Path(__file__).resolve().parents[1]
-many = script("many_sessions")
+many = tool("many_sessions")
 forwarded = many.forwarded
 CONTEXT = "t5 t6 t7 t8 t9 t10 t11"
 MEMORY_MB = 50  # what 200 new sessions of one client may add to the server's memory, in all
@@ -46,7 +46,7 @@ from datastores import RecycleStore, TokenDatastore, build_datastore, default_re
 from datastores.answers import SOURCE
 from rest_core import app as sup
 from rest_core.app.policy import Policy
-from scripts.many_sessions import rss_mb
+from tools.many_sessions import rss_mb
 
 tiny = make_tiny_lm(max_positions=1024)
 rng = np.random.default_rng(0)

@@ -7,9 +7,9 @@ sends them), optionally all at once, from one client address (`--forwarded-for`:
 in front of the server would name), and reports what each call got and, given the server's process
 id, how the server's memory (RSS) grew.
 
-    .venv/bin/python scripts/many_sessions.py http://127.0.0.1:7860/ --sessions 200 --api explore \
+    .venv/bin/python tools/many_sessions.py http://127.0.0.1:7860/ --sessions 200 --api explore \
         --server-pid 12345
-    .venv/bin/python scripts/many_sessions.py http://127.0.0.1:7860/ --sessions 30 --api chat --at-once
+    .venv/bin/python tools/many_sessions.py http://127.0.0.1:7860/ --sessions 30 --api chat --at-once
 
 The tests (tests/test_public_server.py, tests/test_public_sessions.py) drive a loopback server in public
 mode with these functions.
