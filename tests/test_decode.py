@@ -400,7 +400,10 @@ def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
     assert 0 < uncovered < 1  # both kinds of step occur here, so the share below is not a constant
     assert lines[1].startswith(f"the answer's next token among no candidate: {uncovered:.1%} of steps")
     assert lines[2].startswith(f"answer tokens the candidates hold per step: 0: {uncovered:.1%}, ")
-    assert lines[4].startswith("recorded choice") and len(lines) == 21
+    holders = sorted({s for r in rows for s in r["holders"]})  # the sources that retrieved some step's next token
+    assert lines[4].startswith("the answer's next token as the first token of a source's continuations: ")
+    assert all(f"{s} " in lines[4] for s in holders) and holders
+    assert lines[5].startswith("recorded choice") and len(lines) == 22
     assert all(len(r["before"]) <= 6 and isinstance(r["next"], int) for r in rows)
     assert sum(line.startswith("expected tokens - r * ms") for line in lines) == 4
 
