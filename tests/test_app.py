@@ -769,3 +769,26 @@ def test_kept_or_shipped_answers_open_at_once_and_only_a_real_build_waits_for_th
     slot.static.finished.set()
     worker.join(5)
     assert got == ["store the model answered"] and calls == [True, True, False]
+
+
+def test_live_redraws_mark_the_model_disturbed_while_they_are_built_and_drawn(engine, session, monkeypatch):
+    """While the live view builds and sends its figures (and the browser draws them, DRAW_SETTLE_S after), the
+    model's slot says the cores were taken, so the steps timed then teach the cost curve nothing; afterwards it
+    says so no longer."""
+    from rest_core.app import live
+
+    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)  # redraw at every chance (a tiny decode is quick)
+    monkeypatch.setattr(live, "TEXT_INTERVAL_S", 0.0)
+    seen = []
+    figures = live.LiveAnswer.figures
+
+    def spying(self, rows, step_no, run=None):
+        seen.append(self.drawing.quiet_since(time.perf_counter()))  # a step starting now: disturbed
+        return figures(self, rows, step_no, run)
+
+    monkeypatch.setattr(live.LiveAnswer, "figures", spying)
+    final = run_turn(engine, session, TINY, PROMPT)[-1]
+    assert final.done and seen and not any(seen)
+    drawing = engine.model("tiny").drawing
+    assert drawing.until < float("inf") and drawing.quiet_since(drawing.until + 1e-6)
+    assert drawing.until - time.perf_counter() <= live.DRAW_SETTLE_S  # settled: it ends a moment after the last draw

@@ -127,7 +127,7 @@ def make_decoder(engine: Engine, slot: ModelSlot, session: Session, settings: Se
                              n_min=cfg.retrieve.n_min)
     chooser = slot.chooser(stores, kind="chat" if settings.mode == "chat" else "text") \
         if cfg.draft_budget is None else None
-    return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser), notice
+    return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser, undisturbed=slot.drawing.quiet_since), notice
 
 
 def prepare(engine: Engine, session: Session, settings: Settings, message: str, history: list[dict],

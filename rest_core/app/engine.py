@@ -35,6 +35,7 @@ from datastores.answer_prompts import answer_prompts
 from rest_core.app.policy import Policy, markdown_text
 from rest_core.app.settings import MAX_MODELS, STORE_RETRY_S, log, message_of
 from rest_core.app.status import status_text, store_progress
+from rest_core.app.streaming import Disturbance
 from rest_core.app.turns import Busy, Turns
 from rest_core.cost import CostModel
 from rest_core.hidden import open_model_dense
@@ -72,6 +73,7 @@ class ModelSlot:
     lm: LoadedModel
     cost_factory: CostFactory
     lock: threading.Lock = field(default_factory=threading.Lock)  # one decode at a time on this model
+    drawing: Disturbance = field(default_factory=Disturbance)  # the live view's redraws (their steps teach no curve)
     static: StoreSlot = field(default_factory=StoreSlot)
     answers: StoreSlot = field(default_factory=StoreSlot)  # the general-text store (the model's own answers)
     dense: StoreSlot = field(default_factory=StoreSlot)  # the dense store over those answers (hidden states)

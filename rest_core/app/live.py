@@ -31,7 +31,7 @@ from rest_core.app.panels import (
 from rest_core.app.policy import markdown_safe
 from rest_core.app.recording import STORE_ERRORS, Recording
 from rest_core.app.session import Session
-from rest_core.app.settings import FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
+from rest_core.app.settings import DRAW_SETTLE_S, FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
 from rest_core.app.streaming import Throttle, drain, stream_in_thread
 from rest_core.app.turns import Ticket
 from rest_core.compare import first_difference, identical
@@ -75,6 +75,7 @@ class LiveAnswer:
         self.engine, self.recording, self.run_id, self.chat = engine, recording, recording.run_id, chat
         self.steps = StepRows(engine.recorder, self.run_id) if self.run_id is not None else None
         self.plain_ms = prep.slot.plain_ms()
+        self.drawing = prep.slot.drawing
         self.tokenizer = prep.slot.lm.tokenizer
         self.curve = prep.forward_curve()
         self.hide = special_texts(self.tokenizer)
@@ -121,12 +122,17 @@ class LiveAnswer:
         rows = self.rows()
         self.chat[-1]["content"] = self.answer(rows)
         view = View(chat=self.chat, metrics=metrics_html(rows, now - self.started, self.plain_ms))
-        if rows and not self.recording.stopped and now - self.last_fig >= self.fig_interval:
+        if not (rows and not self.recording.stopped and now - self.last_fig >= self.fig_interval):
+            yield view
+            return
+        self.drawing.mark(float("inf"))  # from now until the browser has drawn them
+        try:
             view.tree, view.mask, view.speed = self.figures(rows, rows[-1]["step"])
-        yield view
-        if view.tree is not None:  # drawing and sending done: slow machines redraw less often
+            yield view
+        finally:  # built and sent (or the visitor left): slow machines redraw less often
             self.last_fig = time.perf_counter()
-            self.fig_interval = max(FIGURE_INTERVAL_S, (self.last_fig - now) / FIGURE_SHARE)
+            self.drawing.settle(self.last_fig + DRAW_SETTLE_S)
+        self.fig_interval = max(FIGURE_INTERVAL_S, (self.last_fig - now) / FIGURE_SHARE)
 
     def failed(self, err: Exception) -> View:
         text = message_of(err)

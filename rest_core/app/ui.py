@@ -221,8 +221,6 @@ def build_steps_tab(page: Page) -> None:
             with gr.Column():
                 gr.Markdown(phase_heading("verify", "commit"), elem_classes="phase-head")
                 page.path = gr.HTML(elem_id="step-path")
-                page.choices = gr.Dataframe(headers=lab.CHOICE_HEADERS, interactive=False, max_height=300, wrap=True,
-                                            column_widths=["7%", "7%", "13%", "11%", "8%", "9%", "13%", "24%", "8%"])
                 page.node_pick = gr.Dropdown([], label="The model's probabilities after node", elem_id="node-pick",
                                              info="✓ = on the accepted path; the node where the model parted from "
                                                   "the draft is shown first")
@@ -230,6 +228,11 @@ def build_steps_tab(page: Page) -> None:
                 page.check_btn = gr.Button("Draw this node 2,000 times: is sampling exact?", size="sm",
                                            elem_id="sample-check-btn")
                 page.check_plot = gr.Plot(show_label=False, elem_id="sample-check")
+        # the model's choice at every drafted node: nine columns, so the whole width (in a half column the
+        # headers broke inside words)
+        page.choices = gr.Dataframe(headers=lab.CHOICE_HEADERS, interactive=False, max_height=320, wrap=True,
+                                    elem_id="step-choices", label="The model's choice at every node of the draft tree",
+                                    column_widths=["6%", "6%", "12%", "11%", "7%", "8%", "14%", "28%", "8%"])
         build_what_if(page)
         page.play_timer = gr.Timer(1.5, active=False)
         page.playing = gr.State(False)
@@ -319,7 +322,7 @@ def wire_replay(page: Page) -> None:
     step_out = [page.explanation, page.suffix, page.branches, page.choices, page.path, page.step_tree,
                 page.step_mask, page.node_probs, page.node_pick, page.session]
     private = dict(api_visibility="private")
-    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.tour_at, page.session],
+    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.session],
                          [page.step_slider, page.play_timer, page.playing, page.play], **private).then(
         bound(show_step, page), step_in, step_out, **private)
     page.step_slider.change(bound(show_step, page), step_in, step_out, api_name="step", trigger_mode="always_last",
