@@ -792,3 +792,33 @@ def test_live_redraws_mark_the_model_disturbed_while_they_are_built_and_drawn(en
     drawing = engine.model("tiny").drawing
     assert drawing.until < float("inf") and drawing.quiet_since(drawing.until + 1e-6)
     assert drawing.until - time.perf_counter() <= live.DRAW_SETTLE_S  # settled: it ends a moment after the last draw
+
+
+def test_the_chat_estimates_its_speedup_against_plain_decoding_as_measured(engine, session, monkeypatch):
+    """Before the first chat a short plain decode measures plain decoding's pace (a one-token forward pass is
+    not plain decoding: the estimate read low against races); a race measures it again; the Chat tab's
+    estimate is REST's wall time against that pace."""
+    from rest_core.app import decoding
+
+    slot = engine.model("tiny")
+    assert slot.plain_token_ms is None
+    paced = []
+    real = decoding.plain_generate
+    monkeypatch.setattr(decoding, "plain_generate", lambda lm, ids, cfg: paced.append(cfg.max_new_tokens) or
+                        real(lm, ids, cfg))
+    final = run_turn(engine, session, TINY, PROMPT)[-1]
+    assert paced == [decoding.PLAIN_PACE_TOKENS] and slot.plain_token_ms > 0
+    assert "plain decoding as measured in this server" in final.metrics
+    before = slot.plain_token_ms
+    run_turn(engine, session, TINY, PROMPT)
+    assert paced == [decoding.PLAIN_PACE_TOKENS] and slot.plain_token_ms == before, "measured once per process"
+    last = list(sup.race(engine, session, TINY, PROMPT))[-1]
+    assert last.done and slot.plain_token_ms != before  # the race's plain decode measured it again
+    rows = engine.recorder.load_steps(last.run_id)
+    run = engine.recorder.get_run(last.run_id)
+    tokens = sum(len(r["new_tokens"]) for r in rows)
+    from rest_core.app.panels import metrics_html
+
+    html = metrics_html(rows, run["wall_s"], None, "done", slot.plain_token_ms)
+    estimate = float(re.search(r"([0-9.]+)×</div><div class=\"metric-k\">speedup", html).group(1))
+    assert estimate == pytest.approx(tokens * slot.plain_token_ms / (1e3 * run["wall_s"]), abs=0.006)
