@@ -146,7 +146,7 @@ def on_load(page: Page, state: Any, request: gr.Request) -> dict:
     sweep(page.engine.policy)
     if page.preload:
         page.engine.preload()
-    return {page.session: sess, page.run_pick: runs_update(page, sess, first=True), page.status: page.engine.status()}
+    return {page.session: sess, page.run_pick: runs_update(page, sess), page.status: page.engine.status()}
 
 
 def tick_status(page: Page) -> dict:
@@ -302,6 +302,14 @@ def tick_play(page: Page, run_id: Any, index: Any, state: Any, request: gr.Reque
 
 def refresh_runs(page: Page, state: Any, request: gr.Request) -> dict:
     return {page.run_pick: runs_update(page, visitor(page, state, request))}
+
+
+def on_steps_tab(page: Page, run_id: Any, state: Any, request: gr.Request) -> dict:
+    """Step through opened: with no run chosen yet, the visitor's newest run, else the example run (drawn only
+    now, when the visitor looks, not when the page opens: that would take the cores from a first chat)."""
+    sess = visitor(page, state, request)
+    return {page.run_pick: gr.update() if run_id not in (None, "") else runs_update(page, sess, first=True),
+            page.session: sess}
 
 
 def on_table(page: Page, state: Any, request: gr.Request) -> dict:

@@ -31,6 +31,7 @@ from rest_core.app.page import (
     on_load,
     on_race,
     on_sampling_check,
+    on_steps_tab,
     on_table,
     open_run_steps,
     pick_history,
@@ -191,7 +192,7 @@ def build_race_tab(page: Page) -> None:
 
 def build_steps_tab(page: Page) -> None:
     """Step through a recorded run: one panel per phase of the step, in the phases' order."""
-    with gr.Tab("Step through", id="steps"):
+    with gr.Tab("Step through", id="steps") as page.steps_tab:
         with gr.Row():
             page.run_pick = gr.Dropdown([], label="Run", scale=4, elem_id="run-pick", allow_custom_value=False)
             page.refresh_runs = gr.Button("↻ Refresh", scale=0, size="sm")
@@ -341,6 +342,8 @@ def wire_replay(page: Page) -> None:
                                                            page.play], show_progress="hidden", **private)
     page.refresh_runs.click(bound(refresh_runs, page), [page.session], [page.run_pick], **private)
     page.refresh_table.click(bound(on_table, page), [page.session], [page.runs_table, page.session], api_name="runs")
+    page.steps_tab.select(bound(on_steps_tab, page), [page.run_pick, page.session], [page.run_pick, page.session],
+                          **private)
     page.history_tab.select(bound(on_table, page), [page.session], [page.runs_table, page.session], **private)
     page.runs_table.select(bound(pick_history, page), [page.session],
                            [page.history_text, page.history_speed, page.history_accept, page.history_phases,
