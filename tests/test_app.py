@@ -769,3 +769,56 @@ def test_kept_or_shipped_answers_open_at_once_and_only_a_real_build_waits_for_th
     slot.static.finished.set()
     worker.join(5)
     assert got == ["store the model answered"] and calls == [True, True, False]
+
+
+def test_live_redraws_mark_the_model_disturbed_while_they_are_built_and_drawn(engine, session, monkeypatch):
+    """While the live view builds and sends its figures (and the browser draws them, DRAW_SETTLE_S after), the
+    model's slot says the cores were taken, so the steps timed then teach the cost curve nothing; afterwards it
+    says so no longer."""
+    from rest_core.app import live
+
+    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)  # redraw at every chance (a tiny decode is quick)
+    monkeypatch.setattr(live, "TEXT_INTERVAL_S", 0.0)
+    seen = []
+    figures = live.LiveAnswer.figures
+
+    def spying(self, rows, step_no, run=None):
+        seen.append(self.drawing.quiet_since(time.perf_counter()))  # a step starting now: disturbed
+        return figures(self, rows, step_no, run)
+
+    monkeypatch.setattr(live.LiveAnswer, "figures", spying)
+    final = run_turn(engine, session, TINY, PROMPT)[-1]
+    assert final.done and seen and not any(seen)
+    drawing = engine.model("tiny").drawing
+    assert drawing.until < float("inf") and drawing.quiet_since(drawing.until + 1e-6)
+    assert drawing.until - time.perf_counter() <= live.DRAW_SETTLE_S  # settled: it ends a moment after the last draw
+
+
+def test_the_chat_estimates_its_speedup_against_plain_decoding_as_measured(engine, session, monkeypatch):
+    """Before the first chat a short plain decode measures plain decoding's pace (a one-token forward pass is
+    not plain decoding: the estimate read low against races); a race measures it again; the Chat tab's
+    estimate is REST's wall time against that pace."""
+    from rest_core.app import decoding
+
+    slot = engine.model("tiny")
+    assert slot.plain_token_ms is None
+    paced = []
+    real = decoding.plain_generate
+    monkeypatch.setattr(decoding, "plain_generate", lambda lm, ids, cfg: paced.append(cfg.max_new_tokens) or
+                        real(lm, ids, cfg))
+    final = run_turn(engine, session, TINY, PROMPT)[-1]
+    assert paced == [decoding.PLAIN_PACE_TOKENS] and slot.plain_token_ms > 0
+    assert "plain decoding as measured in this server" in final.metrics
+    before = slot.plain_token_ms
+    run_turn(engine, session, TINY, PROMPT)
+    assert paced == [decoding.PLAIN_PACE_TOKENS] and slot.plain_token_ms == before, "measured once per process"
+    last = list(sup.race(engine, session, TINY, PROMPT))[-1]
+    assert last.done and slot.plain_token_ms != before  # the race's plain decode measured it again
+    rows = engine.recorder.load_steps(last.run_id)
+    run = engine.recorder.get_run(last.run_id)
+    tokens = sum(len(r["new_tokens"]) for r in rows)
+    from rest_core.app.panels import metrics_html
+
+    html = metrics_html(rows, run["wall_s"], None, "done", slot.plain_token_ms)
+    estimate = float(re.search(r"([0-9.]+)×</div><div class=\"metric-k\">speedup", html).group(1))
+    assert estimate == pytest.approx(tokens * slot.plain_token_ms / (1e3 * run["wall_s"]), abs=0.006)

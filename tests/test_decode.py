@@ -476,3 +476,34 @@ def test_the_native_side_by_side_script_puts_every_store_on_its_python_path(tiny
         results[variant] = [(r.tokens, r.steps, r.accepted_drafts) for r in runs]
         assert all(r.tokens == plain.tokens for r in runs) and runs[1].accepted_drafts > 0
     assert results["native"] == results["python"]
+
+
+def test_only_undisturbed_steps_teach_the_cost_curve(tiny_lm):
+    """A step the decoder's `undisturbed` denies (something else of this process took the cores meanwhile, as the
+    page's live figures do) still teaches acceptance, but its forward time does not teach the cost curve."""
+    class Recording(CostModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.timed = []
+
+        def observe(self, tree, accepted_nodes, forward_ms):
+            self.timed.append(forward_ms)
+            super().observe(tree, accepted_nodes, forward_ms)
+
+    cfg = DecodeConfig(max_new_tokens=16, stop_at_eos=False)
+    steps = {}
+    for name, undisturbed in (("quiet", None), ("busy", lambda since: False), ("alternate", None)):
+        chooser = Recording(times_ms=np.array([50.0 + 2.0 * (q - 1) for q in GRID]))
+        if name == "alternate":
+            calls = itertools.count()
+            undisturbed = lambda since, calls=calls: next(calls) % 2 == 0
+        before = chooser.times_ms.copy()
+        RestDecoder(tiny_lm, stores=assemble_stores(request=True), budget_chooser=chooser,
+                    undisturbed=undisturbed).generate([5, 6, 7, 8, 5, 6, 7, 8], cfg)
+        steps[name] = chooser.timed
+        if name == "busy":
+            assert np.array_equal(chooser.times_ms, before)  # no step taught the curve
+    assert steps["quiet"] and all(ms is not None and ms > 0 for ms in steps["quiet"])
+    assert steps["busy"] and all(ms is None for ms in steps["busy"])
+    alternate = steps["alternate"]
+    assert [ms is None for ms in alternate] == [i % 2 == 1 for i in range(len(alternate))]

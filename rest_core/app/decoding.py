@@ -127,7 +127,7 @@ def make_decoder(engine: Engine, slot: ModelSlot, session: Session, settings: Se
                              n_min=cfg.retrieve.n_min)
     chooser = slot.chooser(stores, kind="chat" if settings.mode == "chat" else "text") \
         if cfg.draft_budget is None else None
-    return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser), notice
+    return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser, undisturbed=slot.drawing.quiet_since), notice
 
 
 def prepare(engine: Engine, session: Session, settings: Settings, message: str, history: list[dict],
@@ -179,8 +179,29 @@ def rest_work(engine: Engine, prep: Prepared, recording: Recording) -> Callable[
     """The worker side of a REST decode: record every step, tell the page, finish the run, save the
     cost model's counts."""
     def work(emit: Emit) -> DecodeResult:
-        return _recorded(prep, recording, lambda: _decode(prep, recording.hook, emit))
+        def decode() -> DecodeResult:
+            pace_plain(prep)
+            return _decode(prep, recording.hook, emit)
+        return _recorded(prep, recording, decode)
     return work
+
+
+PLAIN_PACE_TOKENS = 12  # the short plain decode that measures plain decoding's pace before a first chat
+
+
+def pace_plain(prep: Prepared) -> None:
+    """Measure plain decoding's time per token on this model once per process (a few tokens of the prompt at
+    hand, before its REST decode, holding the model), unless a race measured it already: the Chat tab's
+    speedup is estimated against it."""
+    if prep.slot.plain_token_ms is None:
+        cfg = DecodeConfig(max_new_tokens=PLAIN_PACE_TOKENS, stop_at_eos=False)
+        note_plain_pace(prep.slot, plain_generate(prep.slot.lm, prep.prompt_ids, cfg))
+
+
+def note_plain_pace(slot: ModelSlot, plain: DecodeResult) -> None:
+    """Plain decoding's time per token after the prefill, as `plain` (a timed plain decode) ran it."""
+    if plain.steps:
+        slot.plain_token_ms = 1e3 * max(0.0, plain.wall_s - plain.prefill_s) / plain.steps or None
 
 
 def race_work(prep: Prepared, recording: Recording) -> Callable[[Emit], tuple[DecodeResult, DecodeResult]]:
@@ -196,6 +217,7 @@ def race_work(prep: Prepared, recording: Recording) -> Callable[[Emit], tuple[De
             emit(("started", time.perf_counter()))
             plain, rest, traces = in_turn(plain_steps(lm, prep.prompt_ids, prep.cfg),
                                           prep.decoder.stream(prep.prompt_ids, prep.cfg), emit)
+            note_plain_pace(prep.slot, plain)
             for trace in traces:
                 recording.hook(trace)
             return rest

@@ -35,6 +35,7 @@ from datastores.answer_prompts import answer_prompts
 from rest_core.app.policy import Policy, markdown_text
 from rest_core.app.settings import MAX_MODELS, STORE_RETRY_S, log, message_of
 from rest_core.app.status import status_text, store_progress
+from rest_core.app.streaming import Disturbance
 from rest_core.app.turns import Busy, Turns
 from rest_core.cost import CostModel
 from rest_core.hidden import open_model_dense
@@ -72,6 +73,8 @@ class ModelSlot:
     lm: LoadedModel
     cost_factory: CostFactory
     lock: threading.Lock = field(default_factory=threading.Lock)  # one decode at a time on this model
+    drawing: Disturbance = field(default_factory=Disturbance)  # the live view's redraws (their steps teach no curve)
+    plain_token_ms: Optional[float] = None  # plain decoding per token, as last measured (a race, or before a chat)
     static: StoreSlot = field(default_factory=StoreSlot)
     answers: StoreSlot = field(default_factory=StoreSlot)  # the general-text store (the model's own answers)
     dense: StoreSlot = field(default_factory=StoreSlot)  # the dense store over those answers (hidden states)
@@ -128,9 +131,10 @@ class ModelSlot:
         return next((c.forward_ms for c in list(self.costs.values()) if hasattr(c, "forward_ms")), None)
 
     def plain_ms(self) -> Optional[float]:
-        """A one-token forward pass as calibrated, when a cost model exists already."""
+        """Plain decoding's time per token as measured in this process (`plain_token_ms`), else a one-token
+        forward pass as calibrated, when a cost model exists already."""
         curve = self.forward_curve()
-        return curve(1) if curve is not None else None
+        return self.plain_token_ms or (curve(1) if curve is not None else None)
 
 
 def default_cost_factory(lm: LoadedModel, stores: Sequence[Store], kind: str) -> CostModel:

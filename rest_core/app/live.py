@@ -31,7 +31,7 @@ from rest_core.app.panels import (
 from rest_core.app.policy import markdown_safe
 from rest_core.app.recording import STORE_ERRORS, Recording
 from rest_core.app.session import Session
-from rest_core.app.settings import FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
+from rest_core.app.settings import DRAW_SETTLE_S, FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
 from rest_core.app.streaming import Throttle, drain, stream_in_thread
 from rest_core.app.turns import Ticket
 from rest_core.compare import first_difference, identical
@@ -74,7 +74,8 @@ class LiveAnswer:
     def __init__(self, engine: Engine, prep: Prepared, recording: Recording, chat: list):
         self.engine, self.recording, self.run_id, self.chat = engine, recording, recording.run_id, chat
         self.steps = StepRows(engine.recorder, self.run_id) if self.run_id is not None else None
-        self.plain_ms = prep.slot.plain_ms()
+        self.slot = prep.slot
+        self.drawing = prep.slot.drawing
         self.tokenizer = prep.slot.lm.tokenizer
         self.curve = prep.forward_curve()
         self.hide = special_texts(self.tokenizer)
@@ -83,6 +84,14 @@ class LiveAnswer:
         self.latest, self.shown, self.started = -1, -1, 0.0
         self.ids: list[int] = []  # every token decoded so far
         self.notice = prep.dropped  # what the page says about this answer to its end
+
+    def paces(self) -> tuple[Optional[float], Optional[float]]:
+        """Plain decoding's time per token: (calibrated or measured, measured by a plain decode)."""
+        return self.slot.plain_ms(), self.slot.plain_token_ms
+
+    def metrics(self, rows: list[dict], elapsed_s: float, state: str = "running") -> str:
+        calibrated, measured = self.paces()
+        return metrics_html(rows, elapsed_s, calibrated, state, measured)
 
     def rows(self) -> list[dict]:
         """The steps stored so far (those read before, when the store cannot be read now)."""
@@ -120,13 +129,18 @@ class LiveAnswer:
         self.shown, now = self.latest, self.text.last
         rows = self.rows()
         self.chat[-1]["content"] = self.answer(rows)
-        view = View(chat=self.chat, metrics=metrics_html(rows, now - self.started, self.plain_ms))
-        if rows and not self.recording.stopped and now - self.last_fig >= self.fig_interval:
+        view = View(chat=self.chat, metrics=self.metrics(rows, now - self.started))
+        if not (rows and not self.recording.stopped and now - self.last_fig >= self.fig_interval):
+            yield view
+            return
+        self.drawing.mark(float("inf"))  # from now until the browser has drawn them
+        try:
             view.tree, view.mask, view.speed = self.figures(rows, rows[-1]["step"])
-        yield view
-        if view.tree is not None:  # drawing and sending done: slow machines redraw less often
+            yield view
+        finally:  # built and sent (or the visitor left): slow machines redraw less often
             self.last_fig = time.perf_counter()
-            self.fig_interval = max(FIGURE_INTERVAL_S, (self.last_fig - now) / FIGURE_SHARE)
+            self.drawing.settle(self.last_fig + DRAW_SETTLE_S)
+        self.fig_interval = max(FIGURE_INTERVAL_S, (self.last_fig - now) / FIGURE_SHARE)
 
     def failed(self, err: Exception) -> View:
         text = message_of(err)
@@ -137,16 +151,17 @@ class LiveAnswer:
         rows = self.rows()
         self.chat[-1]["content"] = self.answer(rows)
         stopped = self.recording.stopped or None
-        per_token, how = plain_estimate_ms(rows, self.plain_ms)
+        per_token, how = plain_estimate_ms(rows, *self.paces())
         partial = len(rows) < result.steps  # recording stopped: the figures are those of the recorded steps
         elapsed = sum(step_ms(r) for r in rows) / 1e3 if partial else result.wall_s
-        metrics = metrics_html(rows, elapsed, self.plain_ms, state="done")
+        metrics = self.metrics(rows, elapsed, "done")
         if partial:
             metrics += (f'<div class="metric-note">Figures of the {len(rows)} recorded steps; the whole answer: '
                         f"{len(result.tokens)} tokens in {result.steps} forward passes "
                         f"({result.tokens_per_s:.1f} tokens/s).</div>")
-        view = View(chat=self.chat, metrics=metrics + why_speed_html(rows, per_token, curve=self.curve,
-                                                                     measured=f"estimated from {how}"),
+        per_pass = 1e3 * elapsed / len(rows) if rows and not partial else None  # the wall time, as a race's
+        view = View(chat=self.chat, metrics=metrics + why_speed_html(rows, per_token, per_pass, self.curve,
+                                                                     f"from {how}"),
                     run_id=self.run_id, done=True, notice=" ".join(filter(None, [self.notice, stopped])),
                     warning=stopped)
         if rows:  # the run is over: show its most telling step (the one that accepted most drafts)

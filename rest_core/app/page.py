@@ -102,9 +102,14 @@ def notice_update(text: Optional[str]) -> Any:
     return gr.Markdown(value=f"⚠ {markdown_text(text, 600)}" if text else "", visible=bool(text))
 
 
-def runs_update(page: Page, sess: Session, value: Optional[int] = None) -> Any:
+def runs_update(page: Page, sess: Session, value: Optional[int] = None, first: bool = False) -> Any:
+    """The run picker: this visitor's runs and the example run; `value` chosen, or with `first` the newest run (the
+    example run when the visitor has none), so Step through never opens empty."""
     try:
-        return gr.Dropdown(choices=run_choices(page.engine.recorder, sess), value=value)
+        choices = run_choices(page.engine.recorder, sess)
+        if first and value is None and choices:
+            value = choices[0][1]
+        return gr.Dropdown(choices=choices, value=value)
     except STORE_ERRORS as err:  # the page works on; the runs come back when the store does
         warn(f"The recorded runs cannot be read now ({type(err).__name__}); the status line says more.")
         return gr.Dropdown(choices=[], value=None)
@@ -269,12 +274,11 @@ def step_slider(count: int, value: int = 0) -> Any:
                      interactive=top > 0)
 
 
-def open_run_steps(page: Page, run_id: Any, tour_at: Any, state: Any, request: gr.Request) -> dict:
-    """A run chosen: the slider at its first step (the tour's step for the example while the tour runs)."""
+def open_run_steps(page: Page, run_id: Any, state: Any, request: gr.Request) -> dict:
+    """A run chosen: the slider at its first step; the example run opens at its most telling step (the tour's)."""
     count = step_count(page.engine.recorder, visitor(page, state, request), run_id) or 0
     example = example_run()
-    start = tour_step(example.load_steps(EXAMPLE_RUN_ID)) if run_id == EXAMPLE_RUN_ID and example is not None \
-        and isinstance(tour_at, int) and tour_at >= 0 else 0
+    start = tour_step(example.load_steps(EXAMPLE_RUN_ID)) if run_id == EXAMPLE_RUN_ID and example is not None else 0
     return {page.step_slider: step_slider(count, start), page.play_timer: gr.Timer(active=False),
             page.playing: False, page.play: gr.Button("▶ Play")}
 
@@ -298,6 +302,14 @@ def tick_play(page: Page, run_id: Any, index: Any, state: Any, request: gr.Reque
 
 def refresh_runs(page: Page, state: Any, request: gr.Request) -> dict:
     return {page.run_pick: runs_update(page, visitor(page, state, request))}
+
+
+def on_steps_tab(page: Page, run_id: Any, state: Any, request: gr.Request) -> dict:
+    """Step through opened: with no run chosen yet, the visitor's newest run, else the example run (drawn only
+    now, when the visitor looks, not when the page opens: that would take the cores from a first chat)."""
+    sess = visitor(page, state, request)
+    return {page.run_pick: gr.update() if run_id not in (None, "") else runs_update(page, sess, first=True),
+            page.session: sess}
 
 
 def on_table(page: Page, state: Any, request: gr.Request) -> dict:

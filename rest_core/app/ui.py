@@ -31,6 +31,7 @@ from rest_core.app.page import (
     on_load,
     on_race,
     on_sampling_check,
+    on_steps_tab,
     on_table,
     open_run_steps,
     pick_history,
@@ -191,7 +192,7 @@ def build_race_tab(page: Page) -> None:
 
 def build_steps_tab(page: Page) -> None:
     """Step through a recorded run: one panel per phase of the step, in the phases' order."""
-    with gr.Tab("Step through", id="steps"):
+    with gr.Tab("Step through", id="steps") as page.steps_tab:
         with gr.Row():
             page.run_pick = gr.Dropdown([], label="Run", scale=4, elem_id="run-pick", allow_custom_value=False)
             page.refresh_runs = gr.Button("↻ Refresh", scale=0, size="sm")
@@ -221,8 +222,6 @@ def build_steps_tab(page: Page) -> None:
             with gr.Column():
                 gr.Markdown(phase_heading("verify", "commit"), elem_classes="phase-head")
                 page.path = gr.HTML(elem_id="step-path")
-                page.choices = gr.Dataframe(headers=lab.CHOICE_HEADERS, interactive=False, max_height=300, wrap=True,
-                                            column_widths=["7%", "7%", "13%", "11%", "8%", "9%", "13%", "24%", "8%"])
                 page.node_pick = gr.Dropdown([], label="The model's probabilities after node", elem_id="node-pick",
                                              info="✓ = on the accepted path; the node where the model parted from "
                                                   "the draft is shown first")
@@ -230,6 +229,11 @@ def build_steps_tab(page: Page) -> None:
                 page.check_btn = gr.Button("Draw this node 2,000 times: is sampling exact?", size="sm",
                                            elem_id="sample-check-btn")
                 page.check_plot = gr.Plot(show_label=False, elem_id="sample-check")
+        # the model's choice at every drafted node: nine columns, so the whole width (in a half column the
+        # headers broke inside words)
+        page.choices = gr.Dataframe(headers=lab.CHOICE_HEADERS, interactive=False, max_height=320, wrap=True,
+                                    elem_id="step-choices", label="The model's choice at every node of the draft tree",
+                                    column_widths=["6%", "6%", "12%", "11%", "7%", "8%", "14%", "28%", "8%"])
         build_what_if(page)
         page.play_timer = gr.Timer(1.5, active=False)
         page.playing = gr.State(False)
@@ -319,7 +323,7 @@ def wire_replay(page: Page) -> None:
     step_out = [page.explanation, page.suffix, page.branches, page.choices, page.path, page.step_tree,
                 page.step_mask, page.node_probs, page.node_pick, page.session]
     private = dict(api_visibility="private")
-    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.tour_at, page.session],
+    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.session],
                          [page.step_slider, page.play_timer, page.playing, page.play], **private).then(
         bound(show_step, page), step_in, step_out, **private)
     page.step_slider.change(bound(show_step, page), step_in, step_out, api_name="step", trigger_mode="always_last",
@@ -338,6 +342,8 @@ def wire_replay(page: Page) -> None:
                                                            page.play], show_progress="hidden", **private)
     page.refresh_runs.click(bound(refresh_runs, page), [page.session], [page.run_pick], **private)
     page.refresh_table.click(bound(on_table, page), [page.session], [page.runs_table, page.session], api_name="runs")
+    page.steps_tab.select(bound(on_steps_tab, page), [page.run_pick, page.session], [page.run_pick, page.session],
+                          **private)
     page.history_tab.select(bound(on_table, page), [page.session], [page.runs_table, page.session], **private)
     page.runs_table.select(bound(pick_history, page), [page.session],
                            [page.history_text, page.history_speed, page.history_accept, page.history_phases,
