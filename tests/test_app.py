@@ -822,3 +822,14 @@ def test_the_chat_estimates_its_speedup_against_plain_decoding_as_measured(engin
     html = metrics_html(rows, run["wall_s"], None, "done", slot.plain_token_ms)
     estimate = float(re.search(r"([0-9.]+)×</div><div class=\"metric-k\">speedup", html).group(1))
     assert estimate == pytest.approx(tokens * slot.plain_token_ms / (1e3 * run["wall_s"]), abs=0.006)
+
+
+def test_the_first_live_figures_wait_a_redraw_interval_after_the_decode_began(engine, session, monkeypatch):
+    """No figures at the very first steps (the browser would draw them while the decode is getting going);
+    the finished answer has them."""
+    from rest_core.app import live
+
+    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 60.0)  # longer than the tiny decode, shorter than uptime
+    monkeypatch.setattr(live, "TEXT_INTERVAL_S", 0.0)
+    views = run_turn(engine, session, TINY, PROMPT)
+    assert len(views) > 3 and all(v.tree is None for v in views[:-1]) and views[-1].tree is not None

@@ -128,6 +128,8 @@ def fresh_page(browser, port: int, width: int):
                 raise
             time.sleep(2)
     page.wait_for_selector("#prompt textarea")
+    # as a visitor who reads the page before typing: its panels drawn (the plotting library loaded)
+    page.wait_for_selector("#tree-plot .js-plotly-plot .main-svg", state="attached")
     return page
 
 

@@ -33,7 +33,7 @@ from rest_core.app.engine import Engine, ModelSlot, StoreSlot
 from rest_core.app.explorer import explore
 from rest_core.app.live import View, chat_turn, race, race_verdict, special_texts
 from rest_core.app.markup import origin_legend_html, plain_answer_html, token_html, user_bubble
-from rest_core.app.panels import best_step, compact, fit, live_figures, metrics_html, panel
+from rest_core.app.panels import best_step, compact, fit, live_figures, metrics_html, panel, waiting_figure
 from rest_core.app.replay import (
     BRANCH_HEADERS,
     CHOICE_HEADERS,
@@ -84,4 +84,4 @@ __all__ = ["ANSWERS_ALWAYS", "ANSWERS_CHAT", "ANSWERS_NEVER",
            "open_upload_store", "origin_legend_html", "panel", "phase_title", "plain_answer_html", "prune_sessions",
            "race", "race_verdict", "run_choices", "run_panels", "run_table", "save_uploads", "sessions_root",
            "settings_from", "special_texts", "step_count", "step_panel", "step_view", "stream_in_thread", "token_html",
-           "upload_summary", "user_bubble", "visible_runs"]
+           "upload_summary", "user_bubble", "visible_runs", "waiting_figure"]

@@ -118,8 +118,8 @@ class LiveAnswer:
 
     def views(self, batch: list) -> Iterator[View]:
         for kind, value in batch:
-            if kind == "started":
-                self.started = value
+            if kind == "started":  # the first figures a redraw interval after the decode began
+                self.started = self.last_fig = value
             elif kind == "step":
                 self.latest = value
             elif kind == "tokens":

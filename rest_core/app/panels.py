@@ -47,6 +47,20 @@ def compact(fig: go.Figure, height: int, bottom: int = 70) -> go.Figure:
     return fig
 
 
+def waiting_figure(text: str, height: int = 220) -> go.Figure:
+    """An empty panel saying what will be drawn there.  Shown when the page opens, it also has the browser
+    load its plotting library then, not in the middle of the first answer (on 2 cores that took the cores
+    from the decode for a second)."""
+    fig = go.Figure()
+    fig.add_annotation(text=text, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
+                       font=dict(size=13, color="#666"))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    fig.update_layout(height=height, autosize=True, margin=dict(l=10, r=10, t=10, b=10),
+                      plot_bgcolor="rgba(0,0,0,0)", paper_bgcolor="rgba(0,0,0,0)")
+    return fig
+
+
 def panel(fig: go.Figure, height: int) -> go.Figure:
     """A stored-size figure for a half-width panel."""
     fig = compact(fig, height, bottom=120)

@@ -162,8 +162,9 @@ def build_chat_tab(page: Page) -> None:
             gr.Examples(EXAMPLES, inputs=[page.message, page.settings["mode"]], label="Examples")
         with gr.Column(scale=7, min_width=480):
             page.metrics = gr.HTML(lab.metrics_html([], 0.0, state="idle"), elem_id="metrics")
-            page.tree_plot = gr.Plot(label="Draft tree of the latest step (accepted path in red)",
-                                     elem_id="tree-plot")
+            page.tree_plot = gr.Plot(lab.waiting_figure("The draft tree of each step is drawn here while REST "
+                                                        "decodes an answer."),
+                                     label="Draft tree of the latest step (accepted path in red)", elem_id="tree-plot")
             page.mask_plot = gr.Plot(label="Tree attention mask of the latest step", elem_id="mask-plot")
             page.speed_plot = gr.Plot(label="Speed", elem_id="speed-plot")
 
