@@ -100,7 +100,10 @@ def build_dense_store(path: str | Path, documents: Iterable[tuple[Sequence[int],
     found: list[Optional[np.ndarray]] = [None] * len(docs)
     done = 0
     for chunk in chunks([len(ids) for ids, _ in docs], chunk_tokens):
-        for i, rows in zip(chunk, states([docs[i][0] for i in chunk])):
+        read = list(states([docs[i][0] for i in chunk]))
+        if len(read) != len(chunk):
+            raise DatastoreError(f"states returned {len(read)} arrays for {len(chunk)} documents")
+        for i, rows in zip(chunk, read):
             rows = np.asarray(rows)
             if rows.shape[0] != len(docs[i][0]):
                 raise DatastoreError(f"states returned {rows.shape[0]} rows for a document of {len(docs[i][0])} "

@@ -254,3 +254,15 @@ def test_a_chat_from_the_command_line_does_not_wait_for_a_dense_build(default_lm
     assert "datastore dense" in capsys.readouterr().err
     assert dense_for(args, default_lm, chat=False) is None  # completion: no dense store asked for
     assert not list((tmp_path / "cache").glob("stores/dense-*"))
+
+
+def test_a_state_reader_that_loses_a_document_or_a_row_is_refused(tmp_path):
+    docs = [(list(range(10, 20)), 0), (list(range(30, 36)), 1)]
+    model = {"name": "x", "fingerprint": "f"}
+    short = lambda batch: [np.zeros((len(d), 4), np.float32) for d in batch][:-1]
+    with pytest.raises(DatastoreError, match="returned 1 arrays for 2 documents"):
+        build_dense_store(tmp_path / "a", docs, short, None, model, 1, 2, progress=False)
+    cut = lambda batch: [np.zeros((len(d) - 1, 4), np.float32) for d in batch]
+    with pytest.raises(DatastoreError, match="rows for a document of 10 tokens"):
+        build_dense_store(tmp_path / "b", docs, cut, None, model, 1, 2, progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
