@@ -187,9 +187,7 @@ class DenseStore(StoreBase):
                  axes: np.ndarray, name: str = ""):
         import faiss  # a runtime dependency of this source only
 
-        # one query a step: faiss's OpenMP threads cost more than they save (2 threads, 90,000 keys of 64
-        # dimensions, a busy 2-core machine: 17.5 ms a search against 2.2 ms on one thread)
-        faiss.omp_set_num_threads(1)
+        self._faiss = faiss
         self.path, self.meta, self.name = path, meta, name or path.name
         self.tokens = tokens.astype(np.int64)  # (N,) SEP kept as 0xFFFFFFFF
         self.mean, self.axes = mean, axes
@@ -270,12 +268,24 @@ class DenseStore(StoreBase):
                       np.repeat(rows, _repeats(sims, min(ROWS_PER_STEP, max_matches)), axis=0),
                       list(zip(positions.tolist(), [round(float(s), 4) for s in sims])))
 
+    def _search(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """faiss's exact search on one OpenMP thread -- one query a step: its threads cost more than they save (2
+        threads, 90,000 keys of 64 dimensions, a busy 2-core machine: 17.5 ms a search against 2.2 ms on one) --
+        then the calling thread's OpenMP thread count as it was: faiss and torch share one OpenMP runtime, and
+        left at one thread it would run the model's passes on one core too."""
+        was = self._faiss.omp_get_max_threads()
+        self._faiss.omp_set_num_threads(1)
+        try:
+            return self.index.search(query, k)
+        finally:
+            self._faiss.omp_set_num_threads(was)
+
     def neighbours(self, state: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
         """The `keep` nearest positions (with `match_next`: the first `keep` of the `neighbours_k` nearest whose next
         token is `token`), nearest first, and their similarities: (k,) int64 stream positions, (k,) float32.  A
         place p drafts the tokens from p + 2 on: p + 1 stands for the newest context token."""
         query = reduce_states(np.asarray(state, dtype=np.float32)[None], self.mean, self.axes)
-        sims, found = self.index.search(query, self.neighbours_k)  # (1, K) each, nearest first; -1 past the end
+        sims, found = self._search(query, self.neighbours_k)  # (1, K) each, nearest first; -1 past the end
         sims, found = sims[0], found[0]
         ok = found >= 0
         sims, found = sims[ok], self.positions[found[ok]]

@@ -71,6 +71,18 @@ def test_custom_generate_with_dense_drafts_is_generates_own_output(tiny_lm, tiny
     assert len(steps) < 20 and any(s.neighbours.get("dense") for s in steps)
 
 
+def test_opening_and_searching_a_store_leaves_the_models_threads_alone(tiny_dense):
+    """faiss and torch share one OpenMP runtime: the store searches on one thread and gives the count back."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        store = DenseStore.open(tiny_dense.path)
+        store.neighbours(np.ones(store.mean.shape[0], np.float32), 5)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(was)
+
+
 @pytest.mark.parametrize("match_next", [False, True])
 def test_the_neighbours_are_the_brute_force_nearest(tiny_dense, match_next):
     store = tiny_dense
