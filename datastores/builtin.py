@@ -156,7 +156,7 @@ def dense_store_path(model_name: str, tokenizer: Any, layer: int, dim: int = DEF
 def open_dense(spec: Optional[str], model_name: str, tokenizer: Any, model_fingerprint: str, layer: int,
                states: Optional[States] = None, dim: int = DEFAULT_DIM, progress: bool = True) -> Optional[DenseStore]:
     """The dense store (drafts named "dense"): 'default' -- the built-in one over the general-text store's answers,
-    built on first use (under a minute on 2 cores) when `states` (token ids -> hidden states at `layer`) is
+    built on first use (about two minutes on 2 idle cores) when `states` (token ids -> hidden states at `layer`) is
     given; 'none'/None: off; anything else: a store folder.  A store of another model is refused."""
     if spec in (None, "none"):
         return None
@@ -168,7 +168,7 @@ def open_dense(spec: Optional[str], model_name: str, tokenizer: Any, model_finge
     except DatastoreError:
         if states is None:
             raise DatastoreError(f"the dense store for {model_name} is not built yet: `python -m rest_core datastore "
-                                 f"dense {path}` builds it (under a minute on 2 cores, once)") from None
+                                 f"dense {path}` builds it (about two minutes on 2 cores, once)") from None
     with _build_lock(path):
         try:
             return DenseStore.open(path, tokenizer=tokenizer, model_fingerprint=model_fingerprint)
@@ -178,7 +178,7 @@ def open_dense(spec: Optional[str], model_name: str, tokenizer: Any, model_finge
         if progress:
             print(f"Building the dense store at {path}: the model reads its {len(docs)} answers once...", flush=True)
         model = {"name": model_name, "fingerprint": model_fingerprint}
-        return build_dense_store(path, docs, states, tokenizer, model, layer, dim, progress=progress, total=len(docs),
+        return build_dense_store(path, docs, states, tokenizer, model, layer, dim, progress=progress,
                                  corpus="the general-text store's answers")
 
 

@@ -19,8 +19,9 @@ A store is a directory:
 * ``meta.json`` -- the model's name and fingerprint, the tokenizer's fingerprint, the layer, the dimension, the
   sizes and each file's sha256; written last, so a directory without it is never a store.
 
-Building needs the model, which lives above this package: the caller passes `states`, a function from a token
-id list to its (len, d) hidden states (rest_core.hidden.sequence_states makes one).
+Building needs the model, which lives above this package: the caller passes `states`, a function from a list of
+token id lists to their (len, d) hidden states (rest_core.hidden.state_reader makes one, reading documents of
+similar length together in padded passes).
 """
 from __future__ import annotations
 
@@ -55,7 +56,10 @@ ROWS_PER_STEP = 64  # continuation rows per step, shared by the kept neighbours 
 TEMPERATURE = 0.05  # a neighbour's weight is exp((similarity - best similarity) / TEMPERATURE)
 FILES = ("tokens.u32", "keys.f16", "pca.npz")
 
-States = Callable[[Sequence[int]], np.ndarray]  # token ids -> (len, d) hidden states, float32
+CHUNK_TOKENS = 1024  # document tokens per call of `states` while building: about a second of the model's time on
+# 2 cores (docs/bench/dense-build.md), so a server that decodes on the same model waits a second at most
+# documents (token id lists) -> their hidden states, one (len, d) float array each, in the order given
+States = Callable[[list[list[int]]], list[np.ndarray]]
 
 
 def fit_pca(states: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,38 +82,41 @@ def reduce_states(states: np.ndarray, mean: np.ndarray, axes: np.ndarray) -> np.
 
 def build_dense_store(path: str | Path, documents: Iterable[tuple[Sequence[int], int]], states: States,
                       tokenizer: Any, model: dict, layer: int, dim: int = DEFAULT_DIM, progress: bool = True,
-                      total: Optional[int] = None, corpus: str = "") -> DenseStore:
+                      corpus: str = "", chunk_tokens: int = CHUNK_TOKENS) -> DenseStore:
     """Run `states` over every document once and write the store at `path` (replacing one there).
 
     documents: (token ids, first) pairs -- the states from position `first` on are keys, each followed by
     the document's next token (positions before `first` are read for context only, e.g. a request before its
-    answer); model: {"name", "fingerprint"} of the model `states` runs (its fingerprint ties the token ids to their
-    embeddings; `tokenizer`, when given, is recorded too); total: documents, for the progress bar."""
+    answer); states: called with chunks of documents of similar length (`chunks`, about `chunk_tokens` tokens
+    each), so that it can read each chunk in a few padded passes; model: {"name", "fingerprint"} of the model
+    `states` runs (its fingerprint ties the token ids to their embeddings; `tokenizer`, when given, is recorded
+    too)."""
     path = Path(path)
     t0 = time.perf_counter()
-    stream: list[int] = []
-    raw: list[np.ndarray] = []
-    done = 0
-    for ids, first in documents:
-        ids = [int(t) for t in ids]
-        if not 0 <= first < len(ids) - 1:
-            continue  # nothing to key: no position from `first` on has a next token
-        found = np.asarray(states(ids), dtype=np.float32)  # (len, d)
-        if found.shape[0] != len(ids):
-            raise DatastoreError(f"states returned {found.shape[0]} rows for a document of {len(ids)} tokens")
-        raw.append(found[first:].astype(np.float16))
-        raw.append(np.zeros((1, found.shape[1]), np.float16))  # the separator's row
-        stream.extend(ids[first:])
-        stream.append(SEP)
-        done += 1
-        if progress:
-            print(f"\r  dense store: {done}{'/' + str(total) if total else ''} documents, {len(stream):,} tokens",
-                  end="", flush=True)
-    if not stream:
+    docs = [([int(t) for t in ids], first) for ids, first in documents]
+    docs = [(ids, first) for ids, first in docs if 0 <= first < len(ids) - 1]  # else no position has a next token
+    if not docs:
         raise DatastoreError("no document had a position to keep: pass documents of at least two tokens")
-    tokens = np.array(stream, dtype=np.uint32)
+    found: list[Optional[np.ndarray]] = [None] * len(docs)
+    done = 0
+    for chunk in chunks([len(ids) for ids, _ in docs], chunk_tokens):
+        read = list(states([docs[i][0] for i in chunk]))
+        if len(read) != len(chunk):
+            raise DatastoreError(f"states returned {len(read)} arrays for {len(chunk)} documents")
+        for i, rows in zip(chunk, read):
+            rows = np.asarray(rows)
+            if rows.shape[0] != len(docs[i][0]):
+                raise DatastoreError(f"states returned {rows.shape[0]} rows for a document of {len(docs[i][0])} "
+                                     "tokens")
+            found[i] = rows[docs[i][1]:].astype(np.float16)  # (len - first, d)
+        done += len(chunk)
+        if progress:
+            print(f"\r  dense store: {done}/{len(docs)} documents read ({time.perf_counter() - t0:.0f} s)",
+                  end="", flush=True)
+    width = found[0].shape[1]
+    tokens = np.array([t for ids, first in docs for t in (*ids[first:], SEP)], dtype=np.uint32)
+    everything = np.concatenate([part for rows in found for part in (rows, np.zeros((1, width), np.float16))])
     searchable = _searchable(tokens)
-    everything = np.concatenate(raw)  # (N, d) float16
     mean, axes = fit_pca(everything[searchable].astype(np.float32), dim)
     keys = np.zeros((len(tokens), dim), dtype=np.float16)
     for start in range(0, len(tokens), 65536):  # reduce in blocks: the float32 copy of every state is not needed
@@ -120,12 +127,28 @@ def build_dense_store(path: str | Path, documents: Iterable[tuple[Sequence[int],
         "format": FORMAT_VERSION, "source": SOURCE, "model": dict(model), "layer": int(layer), "dim": int(dim),
         "tokenizer": {"name": getattr(tokenizer, "name_or_path", ""),
                       "fingerprint": tokenizer_fingerprint(tokenizer) if tokenizer is not None else None},
-        "positions": int(searchable.sum()), "tokens": int(len(tokens)), "documents": done, "corpus": corpus,
+        "positions": int(searchable.sum()), "tokens": int(len(tokens)), "documents": len(docs), "corpus": corpus,
         "build_seconds": round(time.perf_counter() - t0, 1)})
     if progress:
-        print(f"\r  dense store: {done} documents, {int(searchable.sum()):,} positions in "
+        print(f"\r  dense store: {len(docs)} documents, {int(searchable.sum()):,} positions in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     return DenseStore.open(path, tokenizer=tokenizer, model_fingerprint=model.get("fingerprint"))
+
+
+def chunks(lengths: Sequence[int], chunk_tokens: int = CHUNK_TOKENS) -> list[list[int]]:
+    """Indices of documents, longest first, in chunks of at most `chunk_tokens` tokens (a longer document is a
+    chunk of its own): each chunk is one call of `states`, and documents of similar length share one."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out: list[list[int]] = []
+    size = 0
+    for i in order:
+        if out and size + lengths[i] <= chunk_tokens:
+            out[-1].append(i)
+            size += lengths[i]
+        else:
+            out.append([i])
+            size = lengths[i]
+    return out
 
 
 def _searchable(tokens: np.ndarray) -> np.ndarray:
@@ -164,9 +187,7 @@ class DenseStore(StoreBase):
                  axes: np.ndarray, name: str = ""):
         import faiss  # a runtime dependency of this source only
 
-        # one query a step: faiss's OpenMP threads cost more than they save (2 threads, 90,000 keys of 64
-        # dimensions, a busy 2-core machine: 17.5 ms a search against 2.2 ms on one thread)
-        faiss.omp_set_num_threads(1)
+        self._faiss = faiss
         self.path, self.meta, self.name = path, meta, name or path.name
         self.tokens = tokens.astype(np.int64)  # (N,) SEP kept as 0xFFFFFFFF
         self.mean, self.axes = mean, axes
@@ -247,12 +268,24 @@ class DenseStore(StoreBase):
                       np.repeat(rows, _repeats(sims, min(ROWS_PER_STEP, max_matches)), axis=0),
                       list(zip(positions.tolist(), [round(float(s), 4) for s in sims])))
 
+    def _search(self, query: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """faiss's exact search on one OpenMP thread -- one query a step: its threads cost more than they save (2
+        threads, 90,000 keys of 64 dimensions, a busy 2-core machine: 17.5 ms a search against 2.2 ms on one) --
+        then the calling thread's OpenMP thread count as it was: faiss and torch share one OpenMP runtime, and
+        left at one thread it would run the model's passes on one core too."""
+        was = self._faiss.omp_get_max_threads()
+        self._faiss.omp_set_num_threads(1)
+        try:
+            return self.index.search(query, k)
+        finally:
+            self._faiss.omp_set_num_threads(was)
+
     def neighbours(self, state: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
         """The `keep` nearest positions (with `match_next`: the first `keep` of the `neighbours_k` nearest whose next
         token is `token`), nearest first, and their similarities: (k,) int64 stream positions, (k,) float32.  A
         place p drafts the tokens from p + 2 on: p + 1 stands for the newest context token."""
         query = reduce_states(np.asarray(state, dtype=np.float32)[None], self.mean, self.axes)
-        sims, found = self.index.search(query, self.neighbours_k)  # (1, K) each, nearest first; -1 past the end
+        sims, found = self._search(query, self.neighbours_k)  # (1, K) each, nearest first; -1 past the end
         sims, found = sims[0], found[0]
         ok = found >= 0
         sims, found = sims[ok], self.positions[found[ok]]

@@ -86,7 +86,7 @@ def build_decoder(args: argparse.Namespace, lm: LoadedModel) -> RestDecoder:
                              request=not args.no_request_store,
                              history=open_history(args.history, lm.tokenizer, cfg.retrieve.n_max, cfg.retrieve.n_min),
                              model=open_recycle(args.model_drafts, lm.tokenizer, lm.vocab_size, lm.name),
-                             dense=dense_for(args, lm, chat=bool(getattr(args, "chat", False))),
+                             dense=dense_for(args, lm, chat=bool(getattr(args, "chat", False)), build=False),
                              n_max=cfg.retrieve.n_max, n_min=cfg.retrieve.n_min)
     auto = cfg.draft_budget is None  # a fixed budget needs no cost curve
     kind = "chat" if getattr(args, "chat", False) else "text"  # acceptance is learned per kind of text

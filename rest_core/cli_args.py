@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from functools import partial
 from typing import Optional
 
-from datastores import DenseStore, TokenDatastore, open_answers
+from datastores import DatastoreError, DenseStore, TokenDatastore, open_answers
 from rest_core.decode import DecodeConfig
 from rest_core.hidden import open_model_dense
 from rest_core.model import LoadedModel, generate_batch
@@ -79,10 +80,20 @@ def answers_for(args: argparse.Namespace, lm: LoadedModel, chat: bool) -> Option
     return open_answers(spec, lm.name, lm.tokenizer, generate=partial(generate_batch, lm))
 
 
-def dense_for(args: argparse.Namespace, lm: LoadedModel, chat: bool) -> Optional[DenseStore]:
-    """The dense store --dense asks for ('auto': the built-in one for chat prompts only), built now (with the
-    general-text store it reads, when missing) the first time."""
+def dense_for(args: argparse.Namespace, lm: LoadedModel, chat: bool, build: bool = True) -> Optional[DenseStore]:
+    """The dense store --dense asks for ('auto': the built-in one for chat prompts only).  'default' builds it now
+    (with the general-text store it reads, when missing) the first time; so does 'auto' when `build` is set (a
+    benchmark), else 'auto' drafts without it until it is built and says how to build it (a first chat is not kept
+    waiting for minutes)."""
     spec = getattr(args, "dense", "auto")
-    if spec == "auto":
-        spec = "default" if chat and getattr(lm.tokenizer, "chat_template", None) else "none"
-    return open_model_dense(lm, spec)
+    if spec != "auto":
+        return open_model_dense(lm, spec)
+    if not (chat and getattr(lm.tokenizer, "chat_template", None)):
+        return None
+    if build:
+        return open_model_dense(lm, "default")
+    try:
+        return open_model_dense(lm, "default", build=False)
+    except DatastoreError as err:
+        print(f"note: drafting without the dense store: {err}", file=sys.stderr)
+        return None

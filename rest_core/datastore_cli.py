@@ -205,7 +205,7 @@ def _cmd_dense(args) -> int:
         corpus = f"the answers of the general-text store {where.name}"
     store = build_dense_store(out, docs, state_reader(lm.model, layer), lm.tokenizer,
                               {"name": lm.name, "fingerprint": fingerprint}, layer, args.dim,
-                              progress=not args.quiet, total=len(docs), corpus=corpus)
+                              progress=not args.quiet, corpus=corpus)
     print(store.describe())
     return 0
 

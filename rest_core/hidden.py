@@ -9,7 +9,8 @@ documents, for building a dense store (datastores.dense).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Optional
 
 import numpy as np
@@ -68,20 +69,67 @@ class StateTap:
         self._last = None
 
 
+BATCH_TOKENS = 1024  # padded tokens per pass when reading documents (docs/bench/dense-build.md: on 2 CPU cores a
+# pass over one 200-token answer already keeps the cores busy, so batching there neither gains nor loses much)
+
+
+class _Reached(Exception):
+    """Raised by sequence_states' hook once the layer it reads has run: the layers above it are not needed."""
+
+
+def length_batches(lengths: Sequence[int], batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
+    """Indices of documents in batches of similar length, longest first: each batch's rows padded to its longest
+    hold at most `batch_tokens` tokens (a longer document gets a batch of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 @torch.inference_mode()
 def sequence_states(model: torch.nn.Module, docs: Sequence[Sequence[int]], layer: int,
-                    device: torch.device | str = "cpu") -> list[np.ndarray]:
-    """Hidden state `layer` at every position of each document, one document per pass of the base model (no
-    output layer, no padding): [(len(doc), d) float32]."""
-    tap = StateTap(model, layer)
-    base = model.model
-    out = []
+                    device: torch.device | str = "cpu", batch_tokens: int = BATCH_TOKENS) -> list[np.ndarray]:
+    """Hidden state `layer` at every position of each document: [(len(doc), d) float32], in the order given.
+
+    Documents of similar length share a pass (`length_batches`), right-padded: in a causal model a position never
+    sees the ones after it, so the pads change no real position's state (the attention mask says so anyway), and
+    every row's positions count from 0 as they would alone.  The pass stops at `layer` (the layers above it and the
+    output layer are not run)."""
+    width_of = int(model.config.hidden_size)
+    out: list[np.ndarray] = [np.zeros((0, width_of), np.float32)] * len(docs)
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep(module, args, output) -> None:
+        kept["rows"] = (output[0] if isinstance(output, tuple) else output).detach()  # (b, width, d)
+        raise _Reached
+
+    handle = layer_module(model, layer).register_forward_hook(keep)
     try:
-        for doc in docs:
-            base(input_ids=torch.tensor([list(doc)], device=device), use_cache=False)
-            out.append(tap.rows().cpu().numpy())
+        for batch in length_batches([len(d) for d in docs], batch_tokens):
+            batch = [i for i in batch if len(docs[i]) > 0]
+            if not batch:
+                continue
+            width = len(docs[batch[0]])  # the longest of the batch
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, :len(docs[i])] = torch.as_tensor(list(docs[i]), dtype=torch.long)
+                mask[row, :len(docs[i])] = 1
+            positions = torch.arange(width).expand(len(batch), width)
+            try:
+                model.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                            position_ids=positions.to(device), use_cache=False)
+            except _Reached:
+                pass
+            rows = kept.pop("rows").float().cpu()
+            for row, i in enumerate(batch):
+                out[i] = rows[row, :len(docs[i])].numpy().copy()
     finally:
-        tap.close()
+        handle.remove()
     return out
 
 
@@ -97,10 +145,16 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def state_reader(model: torch.nn.Module, layer: int, device: torch.device | str = "cpu"):
-    """A function from one document's token ids to its (len, d) float32 states at `layer` (for
-    datastores.dense.build_dense_store)."""
-    return lambda ids: sequence_states(model, [ids], layer, device)[0]
+def state_reader(model: torch.nn.Module, layer: int, device: torch.device | str = "cpu",
+                 turn: Optional[Callable[[], AbstractContextManager]] = None) -> Callable[[list[list[int]]], list]:
+    """A function from documents (token id lists) to their (len, d) float32 states at `layer`, for
+    datastores.dense.build_dense_store.  `turn` (when given) is entered around each call: a server that decodes on
+    the same model lets a waiting decode go first between two calls (a call hooks the model's layer, so no decode
+    may run during one)."""
+    def read(docs: list[list[int]]) -> list[np.ndarray]:
+        with turn() if turn is not None else nullcontext():
+            return sequence_states(model, docs, layer, device)
+    return read
 
 
 def dense_layer(model: torch.nn.Module) -> int:
@@ -111,11 +165,12 @@ def dense_layer(model: torch.nn.Module) -> int:
 
 
 def open_model_dense(lm, spec: Optional[str] = "default", progress: bool = True, layer: Optional[int] = None,
-                     dim: Optional[int] = None):
+                     dim: Optional[int] = None, turn: Optional[Callable[[], AbstractContextManager]] = None,
+                     build: bool = True):
     """The dense store `spec` names for this model (datastores.open_dense): 'default' builds the built-in one on
-    first use -- after the general-text store it is made from, which is built first when missing -- 'none'/None:
-    off, else a store folder.  `layer` / `dim` (default: `dense_layer`, datastores.dense.DEFAULT_DIM) pick
-    which built-in store."""
+    first use -- after the general-text store it is made from, which is built first when missing -- unless `build`
+    is False (then a DatastoreError says how to build it); 'none'/None: off, else a store folder.  `layer` / `dim`
+    (default: `dense_layer`, datastores.dense.DEFAULT_DIM) pick which built-in store; `turn`: see `state_reader`."""
     from functools import partial
 
     from datastores import open_answers, open_dense
@@ -125,10 +180,11 @@ def open_model_dense(lm, spec: Optional[str] = "default", progress: bool = True,
     if spec in (None, "none"):
         return None
     layer = dense_layer(lm.model) if layer is None else layer
-    if spec == "default":  # its corpus is the general-text store's answers
+    if spec == "default" and build:  # its corpus is the general-text store's answers
         open_answers("default", lm.name, lm.tokenizer, generate=partial(generate_batch, lm), progress=progress)
     return open_dense(spec, lm.name, lm.tokenizer, model_fingerprint(lm.model), layer,
-                      states=state_reader(lm.model, layer, lm.device), dim=dim or DEFAULT_DIM, progress=progress)
+                      states=state_reader(lm.model, layer, lm.device, turn) if build else None, dim=dim or DEFAULT_DIM,
+                      progress=progress)
 
 
 def state_taps(lm, stores: Sequence) -> dict[int, StateTap]:

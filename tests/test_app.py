@@ -652,6 +652,51 @@ def test_the_general_text_store_build_steps_aside_while_a_visitor_decodes(tiny, 
     assert st.finished.wait(30) and waited[0] >= 0.3 and st.state == "off"
 
 
+def test_a_visitor_decodes_while_the_dense_store_is_built(tiny, tiny_store, tmp_path, session):
+    """The dense build holds the model one chunk of documents at a time: a decode asked for in the middle of the
+    build runs between two chunks (not after the build) and decodes what it decodes once the build is done."""
+    from contextlib import contextmanager
+
+    from datastores import TokenDatastore, build_dense_store
+    from rest_core.hidden import layer_count, model_fingerprint, state_reader
+
+    answers = TokenDatastore.open(tiny_store.path, name="answers-tiny", source="answers")
+    docs = [(list(range(100 + i, 160 + i)), 5) for i in range(24)]  # 60 tokens each: a chunk each
+    read, decoded = [], threading.Event()
+
+    def factory(slot, turn):
+        @contextmanager
+        def chunk():  # the engine's turn around one chunk, as slow as a chunk of the real model until the decode
+            with turn():
+                read.append(decoded.is_set())
+                time.sleep(0 if decoded.is_set() else 0.25)
+                yield
+        layer = layer_count(slot.lm.model)
+        return build_dense_store(tmp_path / "dense", docs, state_reader(slot.lm.model, layer, turn=chunk), None,
+                                 {"name": "tiny", "fingerprint": model_fingerprint(slot.lm.model)}, layer, 16,
+                                 progress=False, chunk_tokens=60)
+
+    engine = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: None, cost_factory=no_chooser,
+                        recorder=TraceRecorder(tmp_path / "t.sqlite"), answers_factory=lambda slot, pause, st: answers,
+                        dense_factory=factory)
+    slot = engine.model(TINY.model)
+    assert engine.start_static(slot).finished.wait(30)
+    engine.start_answers(slot)
+    deadline = time.time() + 30
+    while not read and time.time() < deadline:
+        time.sleep(0.01)
+    assert read and slot.dense.state == "building" and "dense store is being built" in engine.status()
+    settings = replace(TINY, static=sup.NO_STATIC, request_store=False, history_store=False, model_drafts=False)
+    during = run_turn(engine, session, settings, PROMPT)[-1]
+    chunks_before, state_then = len(read), slot.dense.state
+    decoded.set()
+    assert state_then == "building" and chunks_before < len(docs), "the decode waited for the whole build"
+    assert slot.dense.finished.wait(30) and slot.dense.state == "ready" and len(slot.dense.store) > 0
+    assert len(read) == len(docs) and read[-1], "the build went on after the decode"
+    after = run_turn(engine, session, settings, PROMPT)[-1]
+    assert engine.recorder.get_run(during.run_id)["output"] == engine.recorder.get_run(after.run_id)["output"]
+
+
 def test_a_visitors_history_never_drafts_from_another_visitors_answers(engine, session):
     settings = replace(TINY, static=sup.NO_STATIC, history_store=True, request_store=False, model_drafts=False)
     first = run_turn(engine, session, settings, PROMPT)[-1]

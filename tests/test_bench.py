@@ -221,7 +221,7 @@ def test_rest_answers_drafts_from_the_general_text_store_only(lm, store, tmp_pat
     assert "rest_answers" not in res["settings"]["methods"]
 
 
-def test_rest_dense_drafts_from_the_dense_store_only_and_rest_full_with_it(lm, tmp_path):
+def test_rest_dense_drafts_from_the_dense_store_only_and_rest_full_with_it_and_rest_text_without(lm, tmp_path):
     from datastores import build_dense_store
     from rest_core.hidden import layer_count, model_fingerprint, state_reader
 
@@ -231,13 +231,14 @@ def test_rest_dense_drafts_from_the_dense_store_only_and_rest_full_with_it(lm, t
     dense = build_dense_store(tmp_path / "dense", docs, state_reader(lm.model, layer), None,
                               {"name": lm.name, "fingerprint": model_fingerprint(lm.model)}, layer, 8, progress=False)
     out = tmp_path / "out"
-    res = run_benchmark(lm, _prompts(), cfg, ["plain", "rest_dense", "rest_full"], None, out, png=False,
-                        progress=False, dense_store=dense)
-    recs = {m: [r for r in res["records"] if r["method"] == m] for m in ("rest_dense", "rest_full")}
+    res = run_benchmark(lm, _prompts(), cfg, ["plain", "rest_dense", "rest_full", "rest_text"], None, out,
+                        png=False, progress=False, dense_store=dense)
+    recs = {m: [r for r in res["records"] if r["method"] == m] for m in ("rest_dense", "rest_full", "rest_text")}
     assert all(r["sources"] == ["dense"] for r in recs["rest_dense"])
     assert all(r["sources"][-1] == "dense" for r in recs["rest_full"])
+    assert all(r["sources"] == f["sources"][:-1] for r, f in zip(recs["rest_text"], recs["rest_full"]))
     assert sum(r["accepted_by_source"].get("dense", 0) for r in recs["rest_dense"]) > 0
-    for r in recs["rest_dense"] + recs["rest_full"]:
+    for r in recs["rest_dense"] + recs["rest_full"] + recs["rest_text"]:
         assert r["tokens"] == plain_generate(lm, PROMPTS[r["prompt_index"]], cfg).tokens
     assert res["settings"]["dense_store"]["positions"] == len(dense)
     assert "| rest_dense | dense |" in (out / "results.md").read_text()

@@ -9,9 +9,9 @@ from test_decode import _chi_square_p, _sample_many, _spread_out_case
 
 from datastores import DatastoreError, DenseStore, assemble_stores, build_dense_store
 from datastores.common import SEP
-from datastores.dense import reduce_states
+from datastores.dense import chunks, reduce_states
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
-from rest_core.hidden import dense_layer, layer_count, model_fingerprint, state_reader
+from rest_core.hidden import dense_layer, layer_count, length_batches, model_fingerprint, sequence_states, state_reader
 
 from conftest import make_tiny_lm
 
@@ -69,6 +69,18 @@ def test_custom_generate_with_dense_drafts_is_generates_own_output(tiny_lm, tiny
                                  datastore=assemble_stores(request=False, dense=tiny_dense), rest_hook=steps.append)
     assert torch.equal(got, want)
     assert len(steps) < 20 and any(s.neighbours.get("dense") for s in steps)
+
+
+def test_opening_and_searching_a_store_leaves_the_models_threads_alone(tiny_dense):
+    """faiss and torch share one OpenMP runtime: the store searches on one thread and gives the count back."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        store = DenseStore.open(tiny_dense.path)
+        store.neighbours(np.ones(store.mean.shape[0], np.float32), 5)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(was)
 
 
 @pytest.mark.parametrize("match_next", [False, True])
@@ -182,3 +194,87 @@ def test_the_command_line_builds_a_dense_store_the_decoder_drafts_from(default_l
     assert rest.tokens == plain.tokens
     assert main(["datastore", "dense", str(out), "--files", str(text)]) == 2  # exists: refused without --force
     assert "--force" in capsys.readouterr().err
+
+
+def test_documents_read_together_have_the_states_of_each_documents_own_pass():
+    """Documents of different lengths share padded passes; every position's state is the one a pass over that
+    document alone gives (transformers' own hidden states), at a decoder layer's output and at the final norm's."""
+    lm = make_tiny_lm(seed=2, layers=3)
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 70_000, size=n).tolist() for n in (1, 2, 5, 17, 18, 40, 41, 3, 0, 39)]
+    passes = []
+    hook = lm.model.model.register_forward_pre_hook(lambda *args: passes.append(1))
+    try:
+        for layer in (1, 2, 3):
+            with torch.no_grad():
+                want = [lm.model.model(input_ids=torch.tensor([d]), output_hidden_states=True).hidden_states[layer][0]
+                        .numpy() if d else np.zeros((0, 64), np.float32) for d in docs]
+            passes.clear()
+            hooked = [dict(m._forward_hooks) for m in lm.model.modules()]  # transformers' own capture hooks
+            got = sequence_states(lm.model, docs, layer, batch_tokens=100)
+            assert [dict(m._forward_hooks) for m in lm.model.modules()] == hooked  # its own hook removed
+            batches = [b for b in length_batches([len(d) for d in docs], 100) if any(docs[i] for i in b)]
+            assert len(passes) == len(batches) < len(docs) - 1  # an empty document needs no pass
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and g.dtype == np.float32
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+    finally:
+        hook.remove()
+
+
+def test_length_batches_and_chunks_hold_every_document_once_in_their_size():
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 300, size=200).tolist() + [900]
+    for cut, size in ((length_batches(lengths, 1024), lambda b: lengths[b[0]] * len(b)),
+                      (chunks(lengths, 1024), lambda b: sum(lengths[i] for i in b))):
+        assert sorted(i for b in cut for i in b) == list(range(len(lengths)))
+        assert all(size(b) <= 1024 or len(b) == 1 for b in cut)
+        flat = [lengths[i] for b in cut for i in b]
+        assert flat == sorted(flat, reverse=True)  # longest first: a batch's first is its longest
+    assert len(length_batches(lengths, 1024)) < 100  # similar lengths share a batch
+
+
+def test_a_store_built_from_batched_reads_keys_each_position_with_its_own_state(tiny_lm, tmp_path):
+    docs = own_answers(tiny_lm, [PROMPT, [65_536, 65_537, 12], list(range(100, 140)), [2, 3]], n=20)
+    docs += [(list(range(500, 500 + n)), 1) for n in (5, 60, 7)]
+    layer = layer_count(tiny_lm.model)
+    calls = []
+    read = state_reader(tiny_lm.model, layer)
+    store = build_dense_store(tmp_path / "store", docs, lambda batch: calls.append(len(batch)) or read(batch), None,
+                              {"name": tiny_lm.name, "fingerprint": model_fingerprint(tiny_lm.model)}, layer, 16,
+                              progress=False)
+    assert store.tokens.tolist() == [t for ids, first in docs for t in (*ids[first:], SEP)]  # the documents' order
+    assert sum(calls) == len(docs) and len(calls) < len(docs)  # read several at a time
+    alone = np.concatenate([part for ids, first in docs for part in
+                            (sequence_states(tiny_lm.model, [ids], layer)[0][first:], np.zeros((1, 64)))])
+    keys = np.fromfile(store.path / "keys.f16", dtype="<f2").astype(np.float32).reshape(store.tokens.size, -1)
+    found = store.positions
+    np.testing.assert_allclose(keys[found], reduce_states(alone[found], store.mean, store.axes), atol=2e-3)
+
+
+@pytest.mark.model
+def test_a_chat_from_the_command_line_does_not_wait_for_a_dense_build(default_lm, tmp_path, monkeypatch, capsys):
+    """`--dense auto` in a chat drafts without the dense store while it is not built (and says how to build it);
+    a benchmark builds it."""
+    import argparse
+
+    from rest_core.cli_args import dense_for
+
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path / "cache"))  # no dense store there
+    args = argparse.Namespace(dense="auto")
+    assert dense_for(args, default_lm, chat=True, build=False) is None
+    assert "datastore dense" in capsys.readouterr().err
+    assert dense_for(args, default_lm, chat=False) is None  # completion: no dense store asked for
+    assert not list((tmp_path / "cache").glob("stores/dense-*"))
+
+
+def test_a_state_reader_that_loses_a_document_or_a_row_is_refused(tmp_path):
+    docs = [(list(range(10, 20)), 0), (list(range(30, 36)), 1)]
+    model = {"name": "x", "fingerprint": "f"}
+    short = lambda batch: [np.zeros((len(d), 4), np.float32) for d in batch][:-1]
+    with pytest.raises(DatastoreError, match="returned 1 arrays for 2 documents"):
+        build_dense_store(tmp_path / "a", docs, short, None, model, 1, 2, progress=False)
+    cut = lambda batch: [np.zeros((len(d) - 1, 4), np.float32) for d in batch]
+    with pytest.raises(DatastoreError, match="rows for a document of 10 tokens"):
+        build_dense_store(tmp_path / "b", docs, cut, None, model, 1, 2, progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -17,6 +17,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -45,6 +46,9 @@ from rest_core.traces.recorder import TraceRecorder, default_db_path
 MAX_TOKENIZERS = 8  # tokenizers kept for replaying runs of models that are not loaded
 CostFactory = Callable[[LoadedModel, Sequence[Store], str], Any]  # (model, stores, kind of prompt) -> budget chooser
 AnswersFactory = Callable[["ModelSlot", Callable[[], None], "StoreSlot"], Any]  # (slot, pause, its StoreSlot) -> store
+# (slot, turn) -> store; every model pass of the build runs inside `with turn():`, which holds the model's lock
+DenseFactory = Callable[["ModelSlot", Callable[[], AbstractContextManager]], Any]
+TURN_GAP_S = 0.02  # between two chunks of the dense build: time for a waiting decode to take the model
 MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
 TRACE_BUSY_S = 5.0  # how long a write waits for a trace store another program holds
 TOKENIZER_WAIT_S = 120.0  # how long loading a tokenizer for a replay waits for its turn (then ids are shown)
@@ -165,12 +169,13 @@ def default_answers_factory(slot: ModelSlot, pause: Callable[[], None], st: Stor
     return open_answers("default", lm.name, lm.tokenizer, generate=generate, progress=False)
 
 
-def default_dense_factory(slot: ModelSlot) -> Any:
+def default_dense_factory(slot: ModelSlot, turn: Callable[[], AbstractContextManager]) -> Any:
     """The dense store of this model (its hidden states over the general-text store's answers): opened, or built
-    once (the model reads its answers, under a minute on 2 cores).  REST_LAB_DENSE=none turns it off."""
+    once (the model reads its answers in chunks of about a second, each inside `turn()`, so a visitor's decode waits
+    for one chunk at most).  REST_LAB_DENSE=none turns it off."""
     if os.environ.get("REST_LAB_DENSE", "").strip().lower() in ("none", "off", "0"):
         return None
-    return open_model_dense(slot.lm, "default", progress=False)
+    return open_model_dense(slot.lm, "default", progress=False, turn=turn)
 
 
 def _store_build_dir(tokenizer: Any) -> Optional[Path]:
@@ -194,7 +199,7 @@ class Engine:
                  cost_factory: CostFactory | None = None,
                  recorder: TraceRecorder | None = None, trace_db: str | Path | None = None,
                  policy: Policy | None = None, answers_factory: AnswersFactory | None = None,
-                 dense_factory: Callable[[ModelSlot], Any] | None = None,
+                 dense_factory: DenseFactory | None = None,
                  tokenizer_factory: Callable[[str], Any] | None = None):
         self.policy = policy or Policy.from_env()
         public = self.policy.public
@@ -363,17 +368,26 @@ class Engine:
         self._build_dense(slot)
 
     def _build_dense(self, slot: ModelSlot) -> None:
-        """After the general-text store: the dense store over its answers (built once), or off."""
+        """After the general-text store: the dense store over its answers (built once), or off.  The build reads
+        the answers a chunk at a time holding the model's lock (a chunk hooks the model's layer: no decode may run
+        meanwhile), and lets a decode that is waiting for the model go first between two chunks."""
         st = slot.dense
         if self.dense_factory is None or slot.answers.state != "ready":
             st.state = "off"
             st.finished.set()
             return
         st.state, st.started = "building", time.time()
+
+        @contextmanager
+        def turn():
+            time.sleep(TURN_GAP_S)  # a decode woken by the last chunk's release takes the lock now
+            while slot.lock.locked():
+                time.sleep(0.05)
+            with slot.lock:
+                yield
         try:
             slot.static.finished.wait()  # one build at a time on these cores
-            with slot.lock:  # the model reads the answers: no decode runs on it meanwhile
-                st.store = self.dense_factory(slot)
+            st.store = self.dense_factory(slot, turn)
             st.state = "ready" if st.store is not None else "off"
         except Exception as err:  # shown on the page
             st.error, st.state, st.failed_at = message_of(err), "failed", time.time()

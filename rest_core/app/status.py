@@ -50,7 +50,8 @@ def _dense_line(st: Any) -> str:
         return f"dense store ready ({len(st.store):,} positions of the model's hidden states)"
     if st.state == "failed":
         return f"⚠ dense store unavailable ({markdown_text(st.error, 200)})"
-    return "the dense store is being built: the model reads its answers once" if st.state == "building" else ""
+    return ("the dense store is being built: the model reads its answers once, stepping aside while you decode "
+            "(answers draft without it until then)") if st.state == "building" else ""
 
 
 def status_text(engine: Any) -> str:

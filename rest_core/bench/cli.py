@@ -20,6 +20,7 @@ from rest_core.bench.methods import (
     DENSE_METHOD,
     GREEDY_METHODS,
     SAMPLING_METHODS,
+    TEXT_METHOD,
     TRACED,
 )
 from rest_core.bench.report import markdown
@@ -50,7 +51,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     g.add_argument("--vllm-methods", nargs="+", default=None, help="vllm: plain ngram suffix rest (default: all)")
     g.add_argument("--prompts", nargs="+", default=None, metavar="ID",
                    help="only the prompts with these ids (shell patterns work: 'explain-*'); before --limit")
-    g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED,),
+    g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED, TEXT_METHOD),
                    help="default: all (greedy) or plain rest_static rest_full rest_model (sampling)")
     g.add_argument("--repeats", type=int, default=1,
                    help="run every method on every prompt N rounds, interleaved; speed figures are medians over "

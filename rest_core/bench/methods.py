@@ -16,6 +16,7 @@ Methods
   rest_dense        the dense store only (neighbours of the model's hidden state among its own answers, source
                     "dense"); offered when the run has that store (chat, by default); rest_full drafts from it too
   rest_static_traced  (opt-in) rest_static with every step recorded to SQLite
+  rest_text         (opt-in) rest_full without the dense store: beside rest_full, what the dense source adds
   <method>@default  (with --kernels-ab) the method with transformers' default linear kernels and torch's
                     SDPA attention instead of the ones chosen on this machine (rest_core.kernels,
                     rest_core.attention); its own stores and cost model
@@ -59,9 +60,11 @@ ANSWERS_METHOD = "rest_answers"  # needs the general-text store
 DENSE_METHOD = "rest_dense"  # needs the dense store
 # opt-in: rest_static with every step recorded to SQLite, to measure the recorder's overhead
 TRACED = "rest_static_traced"
-SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "rest_answers", "rest_dense")
-REST_METHODS = ("rest_static", "rest_full", "rest_model", "rest_answers", "rest_dense", TRACED)
-MODEL_SOURCE_METHODS = ("rest_full", "rest_model")  # each gets its own table of the model's predictions
+TEXT_METHOD = "rest_text"  # opt-in: rest_full without the dense store
+SPECULATIVE = ("hf_prompt_lookup", "rest_static", "rest_full", "rest_model", "rest_answers", "rest_dense", TEXT_METHOD)
+REST_METHODS = ("rest_static", "rest_full", "rest_model", "rest_answers", "rest_dense", TRACED, TEXT_METHOD)
+FULL_METHODS = ("rest_full", TEXT_METHOD)  # every text source, a history of the run's own answers
+MODEL_SOURCE_METHODS = (*FULL_METHODS, "rest_model")  # each gets its own table of the model's predictions
 DEFAULT_KERNELS = "@default"  # method suffix: run with transformers' default linear kernels and SDPA
 
 
@@ -196,18 +199,19 @@ class MethodRunner:
     def _fresh_learned_stores(self) -> None:
         """New, empty stores that learn during the run: rest_full's history, one model table per method."""
         self.histories = {m: HistoryStore(path=None, n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)
-                          for m in self.methods if base_method(m) == "rest_full"}
+                          for m in self.methods if base_method(m) in FULL_METHODS}
         self.model_drafts = {m: RecycleStore(self.lm.vocab_size) for m in self.methods
                              if base_method(m) in MODEL_SOURCE_METHODS}
 
     def _stores(self, method: str) -> list[Store]:
         """rest_static (and its traced twin): static only; rest_full: static, answers, request, history, model
-        and dense; rest_model: model only; rest_answers: answers only; rest_dense: dense only."""
+        and dense; rest_text: rest_full's without dense; rest_model: model only; rest_answers: answers only;
+        rest_dense: dense only."""
         base = base_method(method)
-        full = base == "rest_full"
+        full = base in FULL_METHODS
         alone = ("rest_model", ANSWERS_METHOD, DENSE_METHOD)
         return assemble_stores(static=None if base in alone else self.static_store,
-                               answers=self.answers_store if base in ("rest_full", ANSWERS_METHOD) else None,
+                               answers=self.answers_store if base in (*FULL_METHODS, ANSWERS_METHOD) else None,
                                request=full, history=self.histories.get(method), model=self.model_drafts.get(method),
                                dense=self.dense_store if base in ("rest_full", DENSE_METHOD) else None,
                                n_max=self.cfg.retrieve.n_max, n_min=self.cfg.retrieve.n_min)

@@ -154,10 +154,12 @@ def _method_notes(summ: dict, greedy: bool) -> list[str]:
             ("Verify cost (model) = mean calibrated cost of the step's query size relative to a one-token pass; "
              "measured = mean forward ms per step / plain's forward ms per step."),
             ("rest_full's history store is in memory and starts empty: it holds this run's earlier rest_full "
-             "answers only." + (" It is emptied at the start of every round." if rounds > 1 else "")),
-            ("The model's own predictions (source 'model', rest_full and rest_model) are in memory, one table per "
-             "method, and start empty: each learns from its own method's forward passes over this run's prompts."
-             + (" They are emptied at the start of every round." if rounds > 1 else "")),
+             "answers only"
+             + (" (rest_text has its own, of its own answers)" if "rest_text" in (summ.get("by_source") or {}) else "")
+             + "." + (" It is emptied at the start of every round." if rounds > 1 else "")),
+            ("The model's own predictions (source 'model', rest_full, rest_text and rest_model) are in memory, one "
+             "table per method, and start empty: each learns from its own method's forward passes over this run's "
+             "prompts." + (" They are emptied at the start of every round." if rounds > 1 else "")),
             *(["The dense store (source 'dense', rest_full and rest_dense) is searched with the hidden state that "
                "predicted the newest committed token, kept from the step's own forward pass; it is built once from "
                "the model's answers to the general-text store's requests, none of them a benchmark prompt."]

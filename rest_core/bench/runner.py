@@ -31,6 +31,7 @@ from rest_core.bench.methods import (
     DENSE_METHOD,
     GREEDY_METHODS,
     SAMPLING_METHODS,
+    TEXT_METHOD,
     TRACED,
     MethodRunner,
     base_method,
@@ -57,7 +58,7 @@ def _methods(cfg: DecodeConfig, methods: Sequence[str] | None, answers: bool = T
     allowed = GREEDY_METHODS if greedy else SAMPLING_METHODS
     missing = {m for m, have in ((ANSWERS_METHOD, answers), (DENSE_METHOD, dense)) if not have}
     methods = tuple(methods or (m for m in allowed if m not in missing))
-    bad = [m for m in methods if base_method(m) not in allowed + (TRACED,) or m.count("@") > 1
+    bad = [m for m in methods if base_method(m) not in allowed + (TRACED, TEXT_METHOD) or m.count("@") > 1
            or ("@" in m and not m.endswith(DEFAULT_KERNELS))]
     if bad:
         raise ValueError(f"Methods {bad} are not available {'in greedy mode' if greedy else 'when sampling'}: "
