@@ -299,7 +299,7 @@ def test_visitor_tables_start_from_the_persisted_one_and_are_never_saved(engine,
     learned.table[3] = list(range(10, 18))  # what command-line runs learned after token 3
     learned.save()
     before = persisted.read_bytes()
-    monkeypatch.setattr(engine_module, "default_recycle_path", lambda name, tok: persisted)
+    monkeypatch.setattr("rest_core.app.slots.default_recycle_path", lambda name, tok: persisted)
     slot = engine.model("tiny")
     mine = session.recycle_store(slot)
     assert mine.path is None and list(mine.table[3]) == list(range(10, 18))
@@ -518,7 +518,10 @@ def test_module_builds_the_page():
     assert isinstance(app.demo, gr.Blocks) and callable(app.build_demo)
 
 
-def test_api_chat_streams_figures(served):
+def test_api_chat_streams_figures(served, monkeypatch):
+    from rest_core.app import live
+
+    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)  # the tiny decode is over before the page's interval
     demo, url, Client = served
     client = Client(url, verbose=False)
     job = client.submit(PROMPT, *settings_args(TINY), api_name="/chat")

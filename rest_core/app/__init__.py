@@ -25,11 +25,11 @@ Public face:
   step run again with other settings on the run's model, beside what happened; `STOPS` (tour) -- the
   tour over the example run that ships with the page (replay's `example_run`).
 
-Modules import downstream only: settings → policy → status, visitors, turns → engine → session →
-recording → decoding / streaming / panels → live, replay → whatif → whatif_view, tour, explorer → page
+Modules import downstream only: settings → policy → status, visitors, turns, streaming → slots → engine →
+session → recording → decoding / panels → live, replay → whatif → whatif_view, tour, explorer → page
 → ui_teach → ui; guard after session.
 """
-from rest_core.app.engine import Engine, ModelSlot, StoreSlot
+from rest_core.app.engine import Engine
 from rest_core.app.explorer import explore
 from rest_core.app.live import View, chat_turn, race, race_verdict, special_texts
 from rest_core.app.markup import origin_legend_html, plain_answer_html, token_html, user_bubble
@@ -74,6 +74,7 @@ from rest_core.app.settings import (
     message_of,
     settings_from,
 )
+from rest_core.app.slots import ModelSlot, StoreSlot
 from rest_core.app.streaming import drain, stream_in_thread
 
 __all__ = ["ANSWERS_ALWAYS", "ANSWERS_CHAT", "ANSWERS_NEVER",

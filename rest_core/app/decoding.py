@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
 from datastores import assemble_stores, store_labels
-from rest_core.app.engine import Engine, ModelSlot
+from rest_core.app.engine import Engine
 from rest_core.app.recording import Recording, start_recording
 from rest_core.app.session import Session, open_upload_store
 from rest_core.app.settings import NO_STATIC, STORE_WAIT_S, UPLOADED, Cancelled, Settings, message_of
+from rest_core.app.slots import ModelSlot
 from rest_core.app.streaming import Emit
 from rest_core.app.visitors import address_tag
 from rest_core.decode import DecodeConfig, DecodeResult, PromptError, RestDecoder, plain_generate, plain_steps

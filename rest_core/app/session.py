@@ -28,9 +28,9 @@ from datastores import (
     cache_dir,
     iter_documents,
 )
-from rest_core.app.engine import ModelSlot
 from rest_core.app.policy import Policy, markdown_text
 from rest_core.app.settings import UPLOADED, UploadError, log
+from rest_core.app.slots import ModelSlot
 from rest_core.decode import DecodeConfig
 
 HISTORY_TOKENS = 200_000  # a visitor's history store keeps at most this many tokens of past answers

@@ -16,12 +16,13 @@ from typing import Any, Optional
 import plotly.graph_objects as go
 
 from rest_core.app.decoding import static_store_for
-from rest_core.app.engine import Engine, ModelSlot
+from rest_core.app.engine import Engine
 from rest_core.app.live import take_turn
 from rest_core.app.markup import token_html
 from rest_core.app.replay import check_run, path_html, reader, tree_panel, whole
 from rest_core.app.session import Session
 from rest_core.app.settings import BUILT_IN, NO_STATIC, Settings, message_of
+from rest_core.app.slots import ModelSlot
 from rest_core.app.whatif import WhatIf, replay_plan, replay_step, step_context
 from rest_core.traces.recorder import TokenTexts
 from rest_core.traces.rows import step_detail
