@@ -310,3 +310,21 @@ def test_one_slow_propose_does_not_switch_drafting_off(tmp_path, monkeypatch):
     serve(drafter, clock, cost, steps=1, batch=1, name="b")
     delay["ms"] = 0.0
     assert all(serve(drafter, clock, cost, steps=20, name="c")[1:])
+
+
+def test_a_first_request_with_nothing_to_draft_does_not_keep_drafting_off(tmp_path, monkeypatch):
+    """An engine's warm-up request (tokens no store holds, its first lookup slow) is the first one looked up;
+    the requests after it are drafted for."""
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    drafter = cyclic_drafter(tmp_path, table(50.0, 0.1))
+    delay = slow_lookups(drafter, clock, monkeypatch)
+    delay["ms"] = 500.0
+    for n in range(3):
+        warm = [1000 + j for j in range(4 + n)]
+        assert drafter.step(["warm"], [warm[-1:]], [len(warm)], rows(warm)) == [[]]
+        clock.pass_ms(50.0)
+        delay["ms"] = 0.0
+    assert all(serve(drafter, clock, table(50.0, 0.1), steps=12)[1:])

@@ -20,7 +20,7 @@ from its tokens.  So a server that has seen thousands of requests holds state fo
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -30,14 +30,13 @@ import numpy as np
 from datastores import HistoryStore, RequestStore, Store
 from rest_core.cost import CostModel
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
-from rest_core.serving.live import LiveStepCost, ProposeTime
+from rest_core.serving.live import LiveStepCost, ProposeTime, RecentChains
 from rest_core.serving.load import AcceptanceProfile, StepCost, plan_drafts, worth_drafting
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
 
 TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best chain is taken
 SAVE_EVERY = 32  # ended requests between two saves of the learned acceptance counts
 ENDED_KEPT = 4096  # ids of recently ended requests remembered, so a preempted one's output joins the history once
-RECENT_CHAINS = 64  # the newest looked-up requests' chains: whether drafting would pay, asked before any lookup
 LEARNED = 64  # drafts a source must have had tested before the cost model's chances alone value its chains
 
 
@@ -102,7 +101,7 @@ class RestDrafter:
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._left = 0  # requests that left the batch so far
         self.profile = AcceptanceProfile(depth=max(1, max_drafts))
-        self.recent: deque[list[float]] = deque(maxlen=RECENT_CHAINS)  # chances of the newest chains looked up
+        self.recent = RecentChains()  # what the newest lookups found
         self._last: Optional[tuple[float, dict[str, int]]] = None  # when step() last returned, the drafts it gave
         # drafted / accepted: drafts verified and kept; expected: the plan's chances of those drafts, summed
         self.stats = {"steps": 0, "drafting_steps": 0, "drafted": 0, "accepted": 0, "expected": 0.0}
@@ -200,7 +199,8 @@ class RestDrafter:
         out: list[list[int]] = [[] for _ in req_ids]
         batch = len(req_ids)
         base_ms = self.propose_time.plain_ms(batch)
-        recent = self.recent or [self.profile.chain(self.max_drafts)]  # before any lookup: the hopeful prior
+        self.recent.tick()
+        recent = self.recent.chains(prior=self.profile.chain(self.max_drafts))
         if not rows or not worth_drafting(recent, self.cost, batch, self.propose_time.drafting_ms(batch), base_ms):
             return out, False
         self.stats["drafting_steps"] += 1
@@ -209,7 +209,7 @@ class RestDrafter:
             chain, chance = self._chain(state, tokens[i], int(lengths[i]))
             chains.append(chain)
             chances.append(chance)
-            self.recent.append(chance)
+            self.recent.add(chance)
         counts = plan_drafts(chances, self.cost, batch=batch, base_ms=base_ms)  # the lookups are made: not counted
         if self.cost.probe(batch):  # the newest steps cannot tell what a draft costs: this one drafts half
             counts = [k // 2 for k in counts]

@@ -20,6 +20,7 @@ of the next, over B requests that all decoded, with the D drafts given to them):
 * the level, the machine's speed now, is what the newest RECENT_LEVELS steps of any batch size imply through the
   shape (their median): every batch size and draft count follows it, run or not.
 
+`RecentChains` keeps what the newest lookups found, on which the decision to look up at all is made.
 `ProposeTime` keeps propose()'s own time per request, in steps that drafted (lookups, trees, the plan, learning
 from the verdict) and in steps that did not, as medians of the newest steps of each: drafting pays only when its
 tokens are worth the engine's extra time *and* the proposer's (serving.load.plan_drafts' overhead_ms).
@@ -43,6 +44,8 @@ FLOOR = 1e-3  # per draft, in plain steps: a calibrated shape that is flat along
 MAX_SCALE = 1000.0  # the fitted factor on the calibrated shape stays within [0, MAX_SCALE]
 PROPOSE_STEPS = 16  # propose()'s time per request: the median of this many newest steps (drafting / not) ...
 PROPOSE_STALE = 64  # ... drafting's forgotten this many steps after the last drafting step (it is tried again)
+RECENT_CHAINS = 64  # the newest looked-up requests' chains: whether drafting would pay, asked before any lookup ...
+MIN_CHAINS = 8  # ... the hopeful prior standing in for the missing ones while fewer are known
 
 
 def theil_sen(x: np.ndarray, y: np.ndarray) -> Optional[tuple[float, float]]:
@@ -134,7 +137,8 @@ class ProposeTime:
     """propose()'s own time per running request, in steps that drafted and in steps that did not: the medians of
     the newest PROPOSE_STEPS of each.  Drafting's measurements older than PROPOSE_STALE steps are forgotten (until
     drafting runs again it is assumed to cost nothing more), so one slow call -- the first look into a store the
-    page cache had dropped, a native library built on first use -- cannot keep drafting off for good."""
+    page cache had dropped, a native library built on first use -- cannot keep drafting off for good (until
+    MIN_EACH drafting steps were timed, drafting is taken to cost nothing more, so that it is tried)."""
 
     def __init__(self):
         self._drafting: deque = deque(maxlen=PROPOSE_STEPS)  # (step, ms per request)
@@ -154,7 +158,32 @@ class ProposeTime:
 
     def drafting_ms(self, requests: int) -> float:
         """What drafting adds to propose() in a step over this many requests."""
-        if not self._drafting:
+        if len(self._drafting) < MIN_EACH:  # too few to outvote a first slow call: drafting is tried
             return 0.0
         per_request = statistics.median([ms for _, ms in self._drafting])
         return max(0.0, requests * per_request - self.plain_ms(requests))
+
+
+class RecentChains:
+    """The chains the newest lookups gave, one per looked-up request (the plan's chances; an empty chain where
+    nothing was found): whether drafting would pay is asked on chains like these before any lookup is made.
+    Chains older than PROPOSE_STALE steps are forgotten, and while fewer than MIN_CHAINS are known the missing
+    ones are taken as the hopeful prior: a few lookups that found nothing (the first request's, say) cannot keep
+    drafting off for good, since with drafting off nothing new would be learned."""
+
+    def __init__(self):
+        self._chains: deque = deque(maxlen=RECENT_CHAINS)  # (step, chances)
+        self._step = 0
+
+    def tick(self) -> None:
+        """One more engine step."""
+        self._step += 1
+        while self._chains and self._chains[0][0] <= self._step - PROPOSE_STALE:
+            self._chains.popleft()
+
+    def add(self, chances: list[float]) -> None:
+        self._chains.append((self._step, chances))
+
+    def chains(self, prior: list[float]) -> list[list[float]]:
+        known = [c for _, c in self._chains]
+        return known + [prior] * max(0, MIN_CHAINS - len(known))
