@@ -7,7 +7,7 @@ import pytest
 from datastores import HistoryStore, build_from_token_documents
 from rest_core.cost import CostModel
 from rest_core.serving.drafter import RestDrafter, best_chain
-from rest_core.serving.load import StepCost, plan_drafts, typical_chains, worth_drafting
+from rest_core.serving.load import ChanceCalibration, StepCost, plan_drafts, typical_chains, worth_drafting
 from rest_core.tree import DraftTree
 
 BATCHES, DRAFTS = (1, 2, 4, 8, 16), (0, 1, 2, 4, 8)
@@ -71,6 +71,16 @@ def test_typical_chains_keep_the_recent_mix():
     four = typical_chains(recent, 4)
     assert four[0] == pytest.approx([0.9, 0.8]) and all(c == [0.0, 0.0] for c in four[1:])
     assert typical_chains([[0.5]], 3) == [[0.5]] * 3
+
+
+def test_the_plan_s_chances_are_scaled_by_how_they_came_true():
+    calibration = ChanceCalibration(depth=3)
+    assert calibration.apply([0.9, 0.8]) == pytest.approx([0.9, 0.8])  # nothing seen: as given
+    for n in range(400):  # chains said to hold with 0.8 and 0.6: the first token lands half the time, never two
+        calibration.observe([0.8, 0.6], accepted=n % 2)
+    scaled = calibration.apply([0.8, 0.6, 0.5])
+    assert scaled[0] == pytest.approx(0.5, abs=0.03) and scaled[1] < 0.05 and scaled[2] <= scaled[1]
+    assert calibration.apply([2.0]) == [0.99]  # below certainty
 
 
 def test_best_chain_takes_the_likeliest_child_at_every_depth():

@@ -31,7 +31,7 @@ from datastores import HistoryStore, RequestStore, Store
 from rest_core.cost import CostModel
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
 from rest_core.serving.live import LiveStepCost, ProposeTime, RecentChains
-from rest_core.serving.load import AcceptanceProfile, StepCost, plan_drafts, worth_drafting
+from rest_core.serving.load import AcceptanceProfile, ChanceCalibration, StepCost, plan_drafts, worth_drafting
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
 
 TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best chain is taken
@@ -50,7 +50,7 @@ class RequestState:
     kind: str  # "chat" or "text": the cost model learns acceptance per kind
     corrections: dict = field(default_factory=dict)  # the cost model's per-request record (CostModel.use_request)
     chain: Optional[DraftTree] = None  # the drafts proposed last step, awaiting the step's verdict
-    chances: list[float] = field(default_factory=list)  # ... and the plan's chance of each being accepted
+    chances: list[float] = field(default_factory=list)  # ... and the chances of its prefixes (before calibration)
 
 
 def best_chain(tree: DraftTree, chooser: CostModel, limit: int) -> tuple[DraftTree, list[float]]:
@@ -101,6 +101,7 @@ class RestDrafter:
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._left = 0  # requests that left the batch so far
         self.profile = AcceptanceProfile(depth=max(1, max_drafts))
+        self.calibration = {kind: ChanceCalibration(depth=max(1, max_drafts)) for kind in choosers}
         self.recent = RecentChains()  # what the newest lookups found
         self._last: Optional[tuple[float, dict[str, int]]] = None  # when step() last returned, the drafts it gave
         # drafted / accepted: drafts verified and kept; expected: the plan's chances of those drafts, summed
@@ -159,9 +160,11 @@ class RestDrafter:
         chooser.use_request(state.corrections)
         chooser.observe(chain, list(range(accepted + 1)), None)
         self.profile.observe(len(drafted), accepted)
+        calibration = self.calibration[state.kind]
+        self.stats["expected"] += sum(calibration.apply(chances[:len(drafted)]))
+        calibration.observe(chances[:len(drafted)], accepted)
         self.stats["drafted"] += len(drafted)
         self.stats["accepted"] += accepted
-        self.stats["expected"] += sum(chances[:len(drafted)])
 
     # -- one engine step ---------------------------------------------------------------------------------------
     def step(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
@@ -204,16 +207,17 @@ class RestDrafter:
         if not rows or not worth_drafting(recent, self.cost, batch, self.propose_time.drafting_ms(batch), base_ms):
             return out, False
         self.stats["drafting_steps"] += 1
-        chains, chances = [], []
+        chains, raw, chances = [], [], []
         for i, state in rows:
             chain, chance = self._chain(state, tokens[i], int(lengths[i]))
             chains.append(chain)
-            chances.append(chance)
-            self.recent.add(chance)
+            raw.append(chance)
+            chances.append(self.calibration[state.kind].apply(chance))
+            self.recent.add(chances[-1])
         counts = plan_drafts(chances, self.cost, batch=batch, base_ms=base_ms)  # the lookups are made: not counted
         if self.cost.probe(batch):  # the newest steps cannot tell what a draft costs: this one drafts half
             counts = [k // 2 for k in counts]
-        for (i, state), chain, chance, k in zip(rows, chains, chances, counts):
+        for (i, state), chain, chance, k in zip(rows, chains, raw, counts):
             state.chain, state.chances = (keep_nodes(chain, np.arange(1, k + 1)), chance[:k]) if k else (None, [])
             out[i] = chain.tokens[1:k + 1].tolist()
         return out, True
