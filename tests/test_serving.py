@@ -29,6 +29,15 @@ def test_step_cost_interpolates_and_extends_past_the_table():
         StepCost(BATCHES, DRAFTS, tuple(tuple(0.0 for _ in DRAFTS) for _ in BATCHES))
 
 
+def test_step_cost_rows_asked_for_in_any_order_agree():
+    cost, fresh = table(10.0, 2.0), table(10.0, 2.0)
+    short = cost.row(3, 2).copy()
+    assert cost.row(3, 40).tolist() == pytest.approx(fresh.row(3, 40).tolist())  # a longer row after a short one
+    assert cost.row(3, 2).tolist() == short.tolist() and len(cost.row(3, 0)) == 1
+    with pytest.raises(ValueError):  # a kept row cannot be changed by whoever asked for it
+        cost.row(3, 5)[0] = 0.0
+
+
 def test_plan_drafts_when_a_step_is_nearly_free_to_widen():
     """A fixed cost dominates (batch 1 on a CPU): every likely draft is worth its token, unlikely ones are not."""
     cost = table(50.0, 1.0)

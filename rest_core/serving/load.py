@@ -27,6 +27,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Optional
 
@@ -51,6 +52,8 @@ class StepCost:
     batches: tuple[int, ...]
     drafts: tuple[int, ...]
     ms: tuple[tuple[float, ...], ...]
+    # per batch size, the longest row computed so far (read-only): propose() asks for rows at every step
+    _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         arr = np.asarray(self.ms, dtype=float)
@@ -62,7 +65,15 @@ class StepCost:
             raise ValueError("a step-cost table needs increasing batch sizes and draft counts, the drafts from 0")
 
     def row(self, batch: int, drafts: int) -> np.ndarray:
-        """Milliseconds of a step over `batch` requests with 0, 1, ..., `drafts` draft tokens in all."""
+        """Milliseconds of a step over `batch` requests with 0, 1, ..., `drafts` draft tokens in all (read-only;
+        a row is a prefix of every longer row of its batch size, so the longest one asked for is kept)."""
+        known = self._rows.get(batch)
+        if known is None or len(known) <= drafts:
+            known = self._rows[batch] = self._compute(batch, max(drafts, 2 * len(known) if known is not None else 0))
+            known.flags.writeable = False
+        return known[:drafts + 1]
+
+    def _compute(self, batch: int, drafts: int) -> np.ndarray:
         per_request = np.arange(drafts + 1) / max(batch, 1)
         j = min(max(bisect.bisect_right(self.batches, batch) - 1, 0), len(self.batches) - 2)
         low, high = (_extend(per_request, self.drafts, self.ms[i]) for i in (j, j + 1))
@@ -128,19 +139,29 @@ def plan_drafts(chances: Sequence[Sequence[float]], cost, batch: Optional[int] =
     the lookups, when the question is whether to make them at all); base_ms: time every step spends beside the
     engine's (propose() following the requests)."""
     batch = len(chances) if batch is None else batch
-    gains = [(-float(c), i, j) for i, row in enumerate(chances) for j, c in enumerate(row) if c > 0]
-    gains.sort()  # best first; ties: the earlier request, then the shallower draft (each chain stays a prefix)
     counts = [0] * len(chances)
-    if not gains:
+    table = _table(chances)
+    flat = table.ravel()
+    # best first; ties: the earlier request, then the shallower draft (each chain stays a prefix)
+    order = np.argsort(-flat, kind="stable")
+    order = order[flat[order] > 0]
+    if not order.size:
         return counts
-    times = cost.row(batch, len(gains)) + base_ms  # a step with 0, 1, ... of the best drafts
-    rates = (batch - np.cumsum([g[0] for g in gains])) / (times[1:] + overhead_ms)
+    times = cost.row(batch, order.size) + base_ms  # a step with 0, 1, ... of the best drafts
+    rates = (batch + np.cumsum(flat[order])) / (times[1:] + overhead_ms)
     best = int(np.argmax(rates))  # the first of equal rates: fewer drafts
     if rates[best] <= batch / times[0]:
         return counts
-    for _, i, _ in gains[:best + 1]:
-        counts[i] += 1
-    return counts
+    return np.bincount(order[:best + 1] // table.shape[1], minlength=len(chances)).tolist()
+
+
+def _table(chains: Sequence[Sequence[float]]) -> np.ndarray:
+    """The chains as rows of one table, zeros past each chain's end (at least one column)."""
+    lengths = np.fromiter((len(c) for c in chains), dtype=np.int64, count=len(chains))
+    table = np.zeros((len(chains), max(int(lengths.max(initial=0)), 1)))
+    table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(chain.from_iterable(chains), dtype=float,
+                                                                      count=int(lengths.sum()))
+    return table
 
 
 @dataclass
@@ -229,8 +250,8 @@ def typical_chains(recent: Sequence[Sequence[float]], batch: int) -> list[list[f
     ranked = sorted(recent, key=sum, reverse=True)
     if len(ranked) <= batch:
         return [list(ranked[i % len(ranked)]) for i in range(batch)]
-    width = max(len(c) for c in ranked)
-    table = np.zeros((len(ranked), width))
-    for i, c in enumerate(ranked):
-        table[i, :len(c)] = c
-    return [g.mean(axis=0).tolist() for g in np.array_split(table, batch)]
+    size, extra = divmod(len(ranked), batch)  # as np.array_split cuts: the first `extra` groups one longer
+    sizes = np.full(batch, size)
+    sizes[:extra] += 1
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    return (np.add.reduceat(_table(ranked), starts, axis=0) / sizes[:, None]).tolist()
