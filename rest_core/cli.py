@@ -73,10 +73,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate_vllm(args: argparse.Namespace) -> int:
-    from rest_core.serving.launch import run_module, served_model
+    from rest_core.serving.launch import run_module, served_model, vllm_python
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}.")
+    vllm_python()  # no vLLM environment: said before the model is fetched or converted
     return run_module("rest_core.serving.calibrate", [served_model(args.model), "--rounds", str(args.rounds)])
 
 
