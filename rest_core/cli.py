@@ -60,6 +60,7 @@ def add_serving_parsers(sub: argparse._SubParsersAction) -> None:
     srv.set_defaults(func=cmd_serve, vllm_args=[])
     cal = sub.add_parser("calibrate-vllm", help="measure vLLM's step cost on this machine for REST drafting")
     cal.add_argument("model", nargs="?", default=None, help="folder or hub id (default: REST Lab's default model)")
+    cal.add_argument("--rounds", type=int, default=2, help="measurements of every cell; each keeps its fastest")
     cal.set_defaults(func=cmd_calibrate_vllm)
 
 
@@ -74,8 +75,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_calibrate_vllm(args: argparse.Namespace) -> int:
     from rest_core.serving.launch import run_module, served_model, vllm_python
 
-    vllm_python()  # no vLLM environment: say how to make one before resolving (perhaps converting) the model
-    return run_module("rest_core.serving.calibrate", [served_model(args.model)])
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}.")
+    vllm_python()  # no vLLM environment: said before the model is fetched or converted
+    return run_module("rest_core.serving.calibrate", [served_model(args.model), "--rounds", str(args.rounds)])
 
 
 def build_decoder(args: argparse.Namespace, lm: LoadedModel) -> RestDecoder:

@@ -2,10 +2,10 @@
 "num_speculative_tokens": k}`.
 
 Every engine step the proposer drafts, for each running request, the best chain of REST Lab's draft tree over
-the model's stores (rest_core.serving.drafter), as many tokens of it as the measured step cost says the whole batch
-can afford (rest_core.serving.load): none at all when drafting would not pay.  Stores and settings come from
-environment variables (rest_core.serving.config); the step cost is measured once per machine with
-`rest-lab calibrate-vllm MODEL`.
+the model's stores (rest_core.serving.drafter), as many tokens of it as the step cost says the whole batch can
+afford (rest_core.serving.load): none at all when drafting would not pay, counting the proposer's own time.  Stores
+and settings come from environment variables (rest_core.serving.config); the step cost is measured once per machine
+with `rest-lab calibrate-vllm MODEL` and refreshed from every step the engine runs (rest_core.serving.live).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class RestProposer:
         self.drafter = open_drafter(model.model, tokenizer,
                                     max_drafts=vllm_config.speculative_config.num_speculative_tokens,
                                     max_len=model.max_model_len, engine_key=engine_key(vllm_config))
+        self.drafter.warm_up()
 
     def load_model(self, *args, **kwargs) -> None:
         """Nothing to load (REST drafts without a model); the runner that calls this is the one to read."""

@@ -7,7 +7,7 @@ import pytest
 from datastores import HistoryStore, build_from_token_documents
 from rest_core.cost import CostModel
 from rest_core.serving.drafter import RestDrafter, best_chain
-from rest_core.serving.load import AcceptanceProfile, StepCost, plan_drafts, worth_drafting
+from rest_core.serving.load import ChanceCalibration, StepCost, plan_drafts, typical_chains, worth_drafting
 from rest_core.tree import DraftTree
 
 BATCHES, DRAFTS = (1, 2, 4, 8, 16), (0, 1, 2, 4, 8)
@@ -27,6 +27,15 @@ def test_step_cost_interpolates_and_extends_past_the_table():
     assert StepCost.from_json({"version": 99}) is None
     with pytest.raises(ValueError, match="positive"):
         StepCost(BATCHES, DRAFTS, tuple(tuple(0.0 for _ in DRAFTS) for _ in BATCHES))
+
+
+def test_step_cost_rows_asked_for_in_any_order_agree():
+    cost, fresh = table(10.0, 2.0), table(10.0, 2.0)
+    short = cost.row(3, 2).copy()
+    assert cost.row(3, 40).tolist() == pytest.approx(fresh.row(3, 40).tolist())  # a longer row after a short one
+    assert cost.row(3, 2).tolist() == short.tolist() and len(cost.row(3, 0)) == 1
+    with pytest.raises(ValueError):  # a kept row cannot be changed by whoever asked for it
+        cost.row(3, 5)[0] = 0.0
 
 
 def test_plan_drafts_when_a_step_is_nearly_free_to_widen():
@@ -49,17 +58,38 @@ def test_plan_drafts_gives_the_batch_s_tokens_to_the_likeliest_chains():
     assert plan_drafts([[0.9, 0.85, 0.8]], cost, overhead_ms=1000.0) == [0]  # lookups slower than they save
 
 
-def test_worth_drafting_follows_load_and_acceptance():
+def test_worth_drafting_follows_load_acceptance_and_drafting_time():
     cost = StepCost(BATCHES, DRAFTS, ((50, 51, 52, 54, 58), (55, 57, 59, 63, 71), (60, 64, 68, 76, 92),
                                       (70, 120, 170, 270, 470), (90, 180, 270, 450, 810)))
-    good = AcceptanceProfile(depth=8, prior=0.8)
-    assert worth_drafting(good, cost, batch=1, max_drafts=8, lookup_ms=1.0)
-    assert not worth_drafting(good, cost, batch=16, max_drafts=8, lookup_ms=1.0)  # a draft: 5.6 ms more on 90
-    poor = AcceptanceProfile(depth=8, prior=0.02)
-    assert not worth_drafting(poor, cost, batch=1, max_drafts=8, lookup_ms=1.0)
-    for _ in range(400):  # drafts keep landing: the profile learns it
-        poor.observe(drafted=4, accepted=4)
-    assert poor.rates[0] > 0.8 and worth_drafting(poor, cost, batch=1, max_drafts=8, lookup_ms=1.0)
+    good = [[0.8 ** (j + 1) for j in range(8)]] * 8  # chains like the recent requests'
+    assert worth_drafting(good, cost, batch=1, overhead_ms=1.0)
+    assert not worth_drafting(good, cost, batch=16, overhead_ms=1.0)  # a draft: 5.6 ms more on 90
+    assert not worth_drafting(good, cost, batch=1, overhead_ms=250.0)  # drafting's own time outweighs its tokens
+    poor = [[0.02 ** (j + 1) for j in range(8)]] * 8
+    assert not worth_drafting(poor, cost, batch=1, overhead_ms=1.0)
+    # most lookups found nothing, the newest among them: the recent chains as a whole decide, not the last one
+    found_nothing = [good[0]] * 2 + [[]] * 6
+    assert worth_drafting(found_nothing, cost, batch=1, overhead_ms=1.0)
+    assert worth_drafting(good, cost, batch=1, overhead_ms=40.0)
+    assert not worth_drafting(found_nothing, cost, batch=1, overhead_ms=40.0)  # a few chains cannot pay for all
+
+
+def test_typical_chains_keep_the_recent_mix():
+    recent = [[0.9, 0.8]] * 4 + [[]] * 12
+    assert typical_chains(recent, 1) == [pytest.approx([0.225, 0.2])]  # one request: the mean of them all
+    four = typical_chains(recent, 4)
+    assert four[0] == pytest.approx([0.9, 0.8]) and all(c == [0.0, 0.0] for c in four[1:])
+    assert typical_chains([[0.5]], 3) == [[0.5]] * 3
+
+
+def test_the_plan_s_chances_are_scaled_by_how_they_came_true():
+    calibration = ChanceCalibration(depth=3)
+    assert calibration.apply([0.9, 0.8]) == pytest.approx([0.9, 0.8])  # nothing seen: as given
+    for n in range(400):  # chains said to hold with 0.8 and 0.6: the first token lands half the time, never two
+        calibration.observe([0.8, 0.6], accepted=n % 2)
+    scaled = calibration.apply([0.8, 0.6, 0.5])
+    assert scaled[0] == pytest.approx(0.5, abs=0.03) and scaled[1] < 0.05 and scaled[2] <= scaled[1]
+    assert calibration.apply([2.0]) == [0.99]  # below certainty
 
 
 def test_best_chain_takes_the_likeliest_child_at_every_depth():
@@ -181,3 +211,139 @@ def test_a_missing_step_cost_is_an_error_that_names_the_command(tmp_path, monkey
     monkeypatch.setenv("REST_LAB_STEP_COST", str(tmp_path / "bad.json"))
     with pytest.raises(DatastoreError, match="not a step-cost file"):
         step_cost("some-model-cpu-key")
+
+
+# -- the drafter against an engine whose steps take the time a test says ---------------------------------------
+CYCLE = list(range(100, 130))  # every request continues this cycle, which the store holds: every draft is right
+
+
+class FakeTime:
+    """The drafter's clock (it stands for the module `time` there): seconds pass only when the test says."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def pass_ms(self, ms: float) -> None:
+        self.now += ms / 1e3
+
+
+def cyclic_drafter(tmp_path, cost) -> RestDrafter:
+    store = build_from_token_documents(tmp_path / "cycle", [CYCLE * 8] * 4)
+    choosers = {kind: CostModel(times_ms=np.ones(8), kind=kind) for kind in ("text", "chat")}
+    return RestDrafter({"text": [store], "chat": [store]}, choosers, cost, max_drafts=4, max_len=8192)
+
+
+def serve(drafter, clock: FakeTime, step_ms, steps: int, batch: int = 4, name: str = "r") -> list[int]:
+    """`steps` engine steps over `batch` requests continuing CYCLE: each step verifies the drafts the last call
+    gave (every one is accepted, and the model adds one token) and lasts step_ms(batch, drafts) on the clock.
+    The drafts given at each step."""
+    seqs = {f"{name}{i}": [CYCLE[(p + i) % len(CYCLE)] for p in range(4)] for i in range(batch)}
+    new = {rid: seq[-1:] for rid, seq in seqs.items()}  # the prefill gave each its last token
+    given = []
+    for _ in range(steps):
+        ids = list(seqs)
+        rows = np.zeros((batch, max(len(s) for s in seqs.values())), dtype=np.int64)
+        for r, rid in enumerate(ids):
+            rows[r, :len(seqs[rid])] = seqs[rid]
+        out = drafter.step(ids, [new[r] for r in ids], [len(seqs[r]) for r in ids], rows)
+        given.append(sum(map(len, out)))
+        clock.pass_ms(step_ms(batch, given[-1]))
+        for i, (rid, drafts) in enumerate(zip(ids, out)):
+            seq = seqs[rid]
+            new[rid] = [CYCLE[(len(seq) + j + i) % len(CYCLE)] for j in range(len(drafts) + 1)]
+            assert new[rid][:len(drafts)] == drafts
+            seq += new[rid]
+    return given
+
+
+def test_the_step_cost_follows_the_machine_as_it_runs_now(tmp_path, monkeypatch):
+    """Calibrated with drafts nearly free; then every step takes twice as long and each draft token 30 ms more
+    (a loaded machine where a wider step turned compute-bound): drafting stops, and comes back once the machine
+    is as calibrated again."""
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    calibrated = table(50.0, 0.1)
+    drafter = cyclic_drafter(tmp_path, calibrated)
+    assert all(serve(drafter, clock, calibrated, steps=30, name="a")[5:])  # drafting pays on this machine
+
+    def busy(batch, drafts):
+        return 2 * calibrated(batch, 0) + 30.0 * drafts
+
+    later = serve(drafter, clock, busy, steps=80, name="b")
+    assert sum(later[-30:]) == 0  # a draft now costs more than the token it may bring
+    assert drafter.cost(4, 0) == pytest.approx(busy(4, 0), rel=0.1)
+    assert drafter.cost(4, 16) == pytest.approx(busy(4, 16), rel=0.1)
+    again = serve(drafter, clock, calibrated, steps=320, name="c")
+    assert all(again[-20:])  # what was learned in the busy minutes did not keep drafting off for good
+
+
+def slow_lookups(drafter, clock: FakeTime, monkeypatch) -> dict:
+    """Every lookup of the drafter's store then takes the ms the returned dict says, on the clock."""
+    store = drafter.shared["text"][0]
+    lookup = store.lookup
+    delay = {"ms": 0.0}
+
+    def timed(*args, **kwargs):
+        clock.pass_ms(delay["ms"])
+        return lookup(*args, **kwargs)
+
+    monkeypatch.setattr(store, "lookup", timed)
+    return delay
+
+
+def test_drafting_stops_while_propose_itself_costs_more_than_the_drafts_bring(tmp_path, monkeypatch):
+    """The engine's step is as calibrated throughout; propose()'s lookups take 60 ms a request for a while (4
+    requests: 240 ms of drafting work on a 50 ms step), then are quick again."""
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    cost = table(50.0, 0.1)
+    drafter = cyclic_drafter(tmp_path, cost)
+    delay = slow_lookups(drafter, clock, monkeypatch)
+    assert all(serve(drafter, clock, cost, steps=20, name="a")[5:])
+    delay["ms"] = 60.0
+    slow = serve(drafter, clock, cost, steps=60, name="b")
+    assert sum(slow[-30:]) == 0 and sum(slow) > 0
+    delay["ms"] = 0.0
+    quick = serve(drafter, clock, cost, steps=100, name="c")
+    assert all(quick[-20:])  # drafting is tried again and pays again
+
+
+def test_one_slow_propose_does_not_switch_drafting_off(tmp_path, monkeypatch):
+    """One call slowed by 2 s (a store's pages read from disk again, say) among quick ones."""
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    cost = table(50.0, 0.1)
+    drafter = cyclic_drafter(tmp_path, cost)
+    delay = slow_lookups(drafter, clock, monkeypatch)
+    serve(drafter, clock, cost, steps=20, name="a")
+    delay["ms"] = 2000.0
+    serve(drafter, clock, cost, steps=1, batch=1, name="b")
+    delay["ms"] = 0.0
+    assert all(serve(drafter, clock, cost, steps=20, name="c")[1:])
+
+
+def test_a_first_request_with_nothing_to_draft_does_not_keep_drafting_off(tmp_path, monkeypatch):
+    """An engine's warm-up request (tokens no store holds, its first lookup slow) is the first one looked up;
+    the requests after it are drafted for."""
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    drafter = cyclic_drafter(tmp_path, table(50.0, 0.1))
+    delay = slow_lookups(drafter, clock, monkeypatch)
+    delay["ms"] = 500.0
+    for n in range(3):
+        warm = [1000 + j for j in range(4 + n)]
+        assert drafter.step(["warm"], [warm[-1:]], [len(warm)], rows(warm)) == [[]]
+        clock.pass_ms(50.0)
+        delay["ms"] = 0.0
+    assert all(serve(drafter, clock, table(50.0, 0.1), steps=12)[1:])

@@ -99,7 +99,9 @@ def run_method(model: str, method: str, k: int, suites: dict, batch: int, max_ne
     warm = [int(t) for t in range(1000, 1032)]  # one untimed request outside the suites: the engine warms up
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     for suite, prompts in suites.items():
+        load = os.getloadavg()[0]  # other programs' work on the machine, before and after the run
         r = rec["runs"][f"{suite}/{batch}"] = run_batch(llm, prompts, batch, max_new_tokens)
+        r["load_average"] = [load, os.getloadavg()[0]]
         print(f"  {method:7s} {suite:9s} batch {batch:2d}: {r['tokens_per_s']:7.1f} tokens/s, "
               f"{r['tokens_per_step']:.2f} tokens/step", flush=True)
     llm.llm_engine.engine_core.shutdown()

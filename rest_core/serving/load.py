@@ -5,16 +5,20 @@ whole batch: the step over B requests and D drafts costs T(B, D) (`StepCost`, me
 `rest_core.serving.calibrate` and cached per machine like the decoder's cost curve), and it emits B tokens plus
 the drafts accepted.  `plan_drafts` picks the draft lengths that maximise the batch's tokens per millisecond:
 
-    maximise  (B + sum_i E_i(k_i)) / (T(B, sum_i k_i) + drafting time)
+    maximise  (B + sum_i E_i(k_i)) / (T(B, sum_i k_i) + propose()'s drafting time)
 
 E_i(k) is the chance-weighted length of request i's best chain cut at k tokens (the sum of each node's chance of
 being accepted, a product along the chain, so every further token is worth less than the one before).  Adding
 tokens best-first over all requests gives, for each total D, the best split; the best D wins, and D = 0 -- no
 draft at all, a plain step -- whenever no draft pays, which is what a busy CPU at batch 16 usually finds.
+The table is measured once; serving.live refreshes it from the engine's real steps and measures propose()'s
+own time, both of which the drafter hands to the plan.
 
-`worth_drafting` asks the same question before any lookup is made, with the chances the recent drafts earned
-(`AcceptanceProfile`): when even those chains would not pay for their tokens and the lookups' own time, the
-stores are not searched at all, so a loaded server pays nothing for having a drafter.
+`worth_drafting` asks the same question before any lookup is made, with the chains the recent requests' lookups
+gave (an empty one where they found nothing) and drafting's measured time: when even those chains would not pay
+for their tokens and for the proposer's own work, the stores are not searched at all, so a loaded server pays
+nothing for having a drafter.  `AcceptanceProfile` values the chains of a source the cost model has not learned
+yet, by how the recent drafts fared at each depth.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Optional
 
@@ -33,6 +38,7 @@ from datastores.common import cache_dir, safe_file_name, write_atomic
 BATCHES = (1, 2, 4, 8, 16)  # batch sizes the step cost is measured at
 DRAFTS = (0, 1, 2, 4, 8)  # draft tokens per request measured at each batch size
 CURVE_VERSION = 1
+MAX_CHANCE = 0.99  # a scaled chance stays below certainty
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class StepCost:
     batches: tuple[int, ...]
     drafts: tuple[int, ...]
     ms: tuple[tuple[float, ...], ...]
+    # per batch size, the longest row computed so far (read-only): propose() asks for rows at every step
+    _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         arr = np.asarray(self.ms, dtype=float)
@@ -56,15 +64,25 @@ class StepCost:
                 or self.drafts[0] != 0 or len(self.batches) < 2 or len(self.drafts) < 2:
             raise ValueError("a step-cost table needs increasing batch sizes and draft counts, the drafts from 0")
 
-    def at_batch_row(self, row: int, per_request: float) -> float:
-        """T at measured batch size batches[row] with this many drafts per request."""
-        return _extend(per_request, self.drafts, self.ms[row])
+    def row(self, batch: int, drafts: int) -> np.ndarray:
+        """Milliseconds of a step over `batch` requests with 0, 1, ..., `drafts` draft tokens in all (read-only;
+        a row is a prefix of every longer row of its batch size, so the longest one asked for is kept)."""
+        known = self._rows.get(batch)
+        if known is None or len(known) <= drafts:
+            known = self._rows[batch] = self._compute(batch, max(drafts, 2 * len(known) if known is not None else 0))
+            known.flags.writeable = False
+        return known[:drafts + 1]
+
+    def _compute(self, batch: int, drafts: int) -> np.ndarray:
+        per_request = np.arange(drafts + 1) / max(batch, 1)
+        j = min(max(bisect.bisect_right(self.batches, batch) - 1, 0), len(self.batches) - 2)
+        low, high = (_extend(per_request, self.drafts, self.ms[i]) for i in (j, j + 1))
+        t = (batch - self.batches[j]) / (self.batches[j + 1] - self.batches[j])
+        return np.maximum(low + (high - low) * t, 1e-3)
 
     def __call__(self, batch: int, drafts: int) -> float:
         """Milliseconds of a step over `batch` requests with `drafts` draft tokens in all."""
-        per_request = drafts / max(batch, 1)
-        times = [self.at_batch_row(i, per_request) for i in range(len(self.batches))]
-        return max(_extend(batch, self.batches, times), 1e-3)
+        return float(self.row(batch, drafts)[-1])
 
     def to_json(self) -> dict:
         return {"version": CURVE_VERSION, "batches": list(self.batches), "drafts": list(self.drafts),
@@ -82,11 +100,12 @@ class StepCost:
             return None
 
 
-def _extend(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Linear interpolation of ys over xs at x, the end segments extended beyond them."""
-    j = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
-    slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
-    return float(ys[j] + slope * (x - xs[j]))
+def _extend(x: np.ndarray, xs: Sequence[float], ys: Sequence[float]) -> np.ndarray:
+    """Linear interpolation of ys over xs at every x, the end segments extended beyond them."""
+    xs_, ys_ = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    j = np.clip(np.searchsorted(xs_, x, side="right") - 1, 0, len(xs_) - 2)
+    slope = (ys_[j + 1] - ys_[j]) / (xs_[j + 1] - xs_[j])
+    return ys_[j] + slope * (x - xs_[j])
 
 
 def curve_path(key: str) -> Path:
@@ -109,27 +128,40 @@ def save_curve(key: str, cost: StepCost, about: dict) -> Path:
     return path
 
 
-def plan_drafts(chances: Sequence[Sequence[float]], cost: StepCost, batch: Optional[int] = None,
-                overhead_ms: float = 0.0) -> list[int]:
+def plan_drafts(chances: Sequence[Sequence[float]], cost, batch: Optional[int] = None,
+                overhead_ms: float = 0.0, base_ms: float = 0.0) -> list[int]:
     """Draft tokens per request (a prefix of each request's chain) that maximise the step's tokens per ms.
 
     chances[i][j]: the chance that request i's first j + 1 drafts are all accepted (non-increasing in j);
+    cost: the step cost (a StepCost or live.LiveStepCost: anything with `row(batch, drafts)`);
     batch: requests in the step (default: len(chances); requests with nothing to draft count too);
-    overhead_ms: time a step that drafts anything spends on it and a plain step does not (the lookups, when the
-    question is whether to make them at all)."""
+    overhead_ms: time a step that drafts anything spends on it and a plain step does not (propose()'s drafting:
+    the lookups, when the question is whether to make them at all); base_ms: time every step spends beside the
+    engine's (propose() following the requests)."""
     batch = len(chances) if batch is None else batch
-    gains = [(-float(c), i, j) for i, row in enumerate(chances) for j, c in enumerate(row) if c > 0]
-    gains.sort()  # best first; ties: the earlier request, then the shallower draft (each chain stays a prefix)
-    best_rate, best_total, gained = batch / cost(batch, 0), 0, 0.0
-    for total, (neg, _, _) in enumerate(gains, 1):
-        gained -= neg
-        rate = (batch + gained) / (cost(batch, total) + overhead_ms)
-        if rate > best_rate:
-            best_rate, best_total = rate, total
     counts = [0] * len(chances)
-    for _, i, _ in gains[:best_total]:
-        counts[i] += 1
-    return counts
+    table = _table(chances)
+    flat = table.ravel()
+    # best first; ties: the earlier request, then the shallower draft (each chain stays a prefix)
+    order = np.argsort(-flat, kind="stable")
+    order = order[flat[order] > 0]
+    if not order.size:
+        return counts
+    times = cost.row(batch, order.size) + base_ms  # a step with 0, 1, ... of the best drafts
+    rates = (batch + np.cumsum(flat[order])) / (times[1:] + overhead_ms)
+    best = int(np.argmax(rates))  # the first of equal rates: fewer drafts
+    if rates[best] <= batch / times[0]:
+        return counts
+    return np.bincount(order[:best + 1] // table.shape[1], minlength=len(chances)).tolist()
+
+
+def _table(chains: Sequence[Sequence[float]]) -> np.ndarray:
+    """The chains as rows of one table, zeros past each chain's end (at least one column)."""
+    lengths = np.fromiter((len(c) for c in chains), dtype=np.int64, count=len(chains))
+    table = np.zeros((len(chains), max(int(lengths.max(initial=0)), 1)))
+    table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(chain.from_iterable(chains), dtype=float,
+                                                                      count=int(lengths.sum()))
+    return table
 
 
 @dataclass
@@ -164,11 +196,62 @@ class AcceptanceProfile:
         return out
 
 
-def worth_drafting(profile: AcceptanceProfile, cost: StepCost, batch: int, max_drafts: int,
-                   lookup_ms: float) -> bool:
-    """Whether chains as good as the recent ones, for every request, would pay for their tokens and the lookups."""
-    if max_drafts <= 0 or batch <= 0:
+@dataclass
+class ChanceCalibration:
+    """How the plan's chances came true: per depth j, the drafts verified there, how often their chain's first
+    j + 1 tokens were all accepted against the chance the plan gave it, as (accepted + weight) / (expected +
+    weight) over about `window` expected acceptances.  The plan's chances are scaled by it: the cost model's
+    chances, and the recent drafts' rates that stand in for a source it has not learned (whichever is higher),
+    came true 16-20% less often than said in the served suites, enough to draft at a loss where a draft barely
+    pays (batch 16)."""
+
+    depth: int
+    weight: float = 10.0
+    window: float = 400.0
+    hits: list[float] = field(default_factory=list)
+    expected: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.hits = self.hits or [0.0] * self.depth
+        self.expected = self.expected or [0.0] * self.depth
+
+    def observe(self, chances: Sequence[float], accepted: int) -> None:
+        """One verified chain: the plan's (unscaled) chances of its drafts, the first `accepted` of them kept."""
+        for j, c in enumerate(chances[:self.depth]):
+            self.expected[j] += c
+            self.hits[j] += 1.0 if j < accepted else 0.0
+            if self.expected[j] > self.window:
+                self.expected[j] *= 0.5
+                self.hits[j] *= 0.5
+
+    def apply(self, chances: Sequence[float]) -> list[float]:
+        """The chances scaled by how such chances came true (still non-increasing, below certainty)."""
+        out, last = [], MAX_CHANCE
+        for j, c in enumerate(chances[:self.depth]):
+            last = min(last, c * (self.hits[j] + self.weight) / (self.expected[j] + self.weight))
+            out.append(last)
+        return out
+
+
+def worth_drafting(recent: Sequence[Sequence[float]], cost, batch: int, overhead_ms: float,
+                   base_ms: float = 0.0) -> bool:
+    """Whether chains like the recent requests' (chances as the plan saw them, an empty chain where the lookups
+    found nothing) would pay, for a batch of this size, for their tokens and for drafting's own time (see
+    plan_drafts)."""
+    if batch <= 0 or not recent:
         return False
-    typical = profile.chain(max_drafts)
-    counts = plan_drafts([typical] * batch, cost, batch, overhead_ms=lookup_ms * batch)
-    return sum(counts) > 0
+    return sum(plan_drafts(typical_chains(recent, batch), cost, batch, overhead_ms=overhead_ms, base_ms=base_ms)) > 0
+
+
+def typical_chains(recent: Sequence[Sequence[float]], batch: int) -> list[list[float]]:
+    """`batch` chains that stand for the recent ones: ranked by their expected length and cut into `batch`
+    groups, each group's mean chance at every depth (so one request stands for the average of them all, and a
+    batch keeps the recent mix of good chains and chains with nothing); repeated when there are fewer."""
+    ranked = sorted(recent, key=sum, reverse=True)
+    if len(ranked) <= batch:
+        return [list(ranked[i % len(ranked)]) for i in range(batch)]
+    size, extra = divmod(len(ranked), batch)  # as np.array_split cuts: the first `extra` groups one longer
+    sizes = np.full(batch, size)
+    sizes[:extra] += 1
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    return (np.add.reduceat(_table(ranked), starts, axis=0) / sizes[:, None]).tolist()

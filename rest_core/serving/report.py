@@ -32,6 +32,11 @@ def vllm_markdown(result: dict) -> str:
              f"Command: `{result['command']}`", "",
              f"Greedy, {s['max_new_tokens']} new tokens, k = {s['k']} drafts at most per request and step, "
              f"engine {s['engine']}; {len(result['rounds'])} round(s), medians over rounds.", ""]
+    loads = [x for r in result["rounds"] for rec in r.values() for run in rec.get("runs", {}).values()
+             for x in run.get("load_average", ())]
+    if loads:
+        lines += [f"Load average (1 min) at the start and end of the runs: {min(loads):.2f} to {max(loads):.2f} "
+                  f"({m['cores']} cores).", ""]
     for method in methods:
         err = result["rounds"][0][method].get("error")
         if err:

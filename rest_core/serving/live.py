@@ -1,0 +1,189 @@
+"""What a served step costs now: the calibrated step cost refreshed from the engine's real steps, and propose()'s
+own time.
+
+`rest-lab calibrate-vllm` measures T(B, D) once; a shared machine's speed moves from minute to minute, and a table
+measured in a busy minute is off in its shape as well as in its level (cells 20-60% apart from their neighbours).
+So, as the decoder refreshes its forward-time curve (rest_core.cost), the served step cost is a level times a shape,
+both refreshed from every step the engine really runs (the time from the end of one propose() call to the start
+of the next, over B requests that all decoded, with the D drafts given to them):
+
+* the shape of a batch size B along the drafts is the calibrated one, T_cal(B, D) / T_cal(B, 0) - 1 (the extra
+  cost of D drafts in plain steps), scaled by a factor fitted to the newest steps at that batch size: a straight
+  line ms = a + b * x through their (extra cost, ms) points, by Theil-Sen (the median of the pairwise slopes, so
+  a few steps slowed by other programs do not move it); the factor is b / a.  It needs steps with different draft
+  counts (at least MIN_EACH on each side of some count): where the newest steps all drafted about as many tokens,
+  every PROBE_EVERY-th step drafts half of what was planned (`probe`).  A batch size with no fit for STALE_STEPS
+  steps goes back to the calibrated shape, so a burst of load that made drafts look dear does not stay for the
+  life of the server.  (A table that made drafts look too dear keeps drafting off at that batch size, where
+  nothing can be learned about drafts, until it is measured again; the other way round -- drafts dearer than
+  measured, the way that would make serving slower than plain -- is what the live shape corrects);
+* the level, the machine's speed now, is what the newest RECENT_LEVELS steps of any batch size imply through the
+  shape (their median): every batch size and draft count follows it, run or not.
+
+`RecentChains` keeps what the newest lookups found, on which the decision to look up at all is made.
+`ProposeTime` keeps propose()'s own time per request, in steps that drafted (lookups, trees, the plan, learning
+from the verdict) and in steps that did not, as medians of the newest steps of each: drafting pays only when its
+tokens are worth the engine's extra time *and* the proposer's (serving.load.plan_drafts' overhead_ms).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import Optional
+
+import numpy as np
+
+from rest_core.serving.load import StepCost
+
+RECENT_LEVELS = 9  # the machine's speed now: implied by this many newest steps of any batch size
+FIT_STEPS = 32  # a batch size's shape along the drafts: fitted to its newest this many steps ...
+MIN_EACH = 3  # ... once at least this many lie on each side of some draft count
+STALE_STEPS = 256  # a batch size with no such fit for this many steps goes back to its calibrated shape
+PROBE_EVERY = 8  # where the newest steps cannot tell a slope, every this many steps drafts half of the plan
+FLOOR = 1e-3  # per draft, in plain steps: a calibrated shape that is flat along the drafts still orders them
+MAX_SCALE = 1000.0  # the fitted factor on the calibrated shape stays within [0, MAX_SCALE]
+PROPOSE_STEPS = 16  # propose()'s time per request: the median of this many newest steps (drafting / not) ...
+PROPOSE_STALE = 64  # ... drafting's forgotten this many steps after the last drafting step (it is tried again)
+RECENT_CHAINS = 64  # the newest looked-up requests' chains: whether drafting would pay, asked before any lookup ...
+MIN_CHAINS = 8  # ... the hopeful prior standing in for the missing ones while fewer are known
+
+
+def theil_sen(x: np.ndarray, y: np.ndarray) -> Optional[tuple[float, float]]:
+    """(intercept, slope) of the line through (x, y): the median of the slopes between every two points of
+    different x, then the median of y - slope * x; None when all x are equal."""
+    dx = x[None, :] - x[:, None]
+    upper = np.triu(np.abs(dx) > 1e-12, 1)
+    if not upper.any():
+        return None
+    slope = float(np.median(((y[None, :] - y[:, None])[upper]) / dx[upper]))
+    return float(np.median(y - slope * x)), slope
+
+
+class LiveStepCost:
+    """T(B, D) as the machine runs now: the calibrated table's shape, refreshed per batch size, at the level the
+    newest steps imply (see the module's docstring).  Called and planned with like a StepCost."""
+
+    def __init__(self, calibrated: StepCost):
+        self.calibrated = calibrated
+        self.level = 1.0  # the machine's speed now, in calibrated steps
+        self._levels: deque = deque(maxlen=RECENT_LEVELS)
+        self._steps: dict[int, deque] = {}  # batch size -> (step, extra cost, ms) of its newest steps
+        self._scale: dict[int, tuple[float, int]] = {}  # batch size -> (factor on its shape, step it was fitted at)
+        self._step = 0
+
+    def extra(self, batch: int, drafts: np.ndarray) -> np.ndarray:
+        """The calibrated extra cost of these draft counts at this batch size, in plain steps (with the floor)."""
+        row = self.calibrated.row(batch, int(np.max(drafts)))
+        return row[drafts] / row[0] - 1.0 + FLOOR * drafts
+
+    def observe(self, batch: int, drafts: int, ms: float) -> None:
+        """One real engine step: `batch` requests, all decoding, `drafts` draft tokens among them, `ms` long."""
+        if batch < 1 or drafts < 0 or not ms > 0:
+            return
+        self._step += 1
+        steps = self._steps.setdefault(batch, deque(maxlen=FIT_STEPS))
+        steps.append((self._step, float(self.extra(batch, np.array([drafts]))[0]), ms))
+        while steps and steps[0][0] <= self._step - STALE_STEPS:
+            steps.popleft()
+        self._fit(batch, steps)
+        for b in [b for b, (_, at) in self._scale.items() if at <= self._step - STALE_STEPS]:
+            del self._scale[b]
+        self._levels.append(ms / self._shape(batch, np.array([drafts]))[0])
+        self.level = statistics.median(self._levels)
+
+    @staticmethod
+    def _spread(steps: deque) -> bool:
+        """Whether these steps hold MIN_EACH or more on each side of some draft count (a slope can be told)."""
+        x = sorted(s[1] for s in steps)
+        return len(x) >= 2 * MIN_EACH and x[MIN_EACH - 1] < x[-MIN_EACH]
+
+    def _fit(self, batch: int, steps: deque) -> None:
+        if not self._spread(steps):
+            return
+        x = np.array([s[1] for s in steps])
+        fit = theil_sen(x, np.array([s[2] for s in steps]))
+        if fit is not None and fit[0] > 0:
+            self._scale[batch] = (min(max(fit[1] / fit[0], 0.0), MAX_SCALE), self._step)
+
+    def _shape(self, batch: int, drafts: np.ndarray) -> np.ndarray:
+        """T at level 1: the calibrated plain step times (1 + the fitted factor times the extra cost), or the
+        calibrated table as it is where no fit holds."""
+        scale = self._scale.get(batch)
+        if scale is None:
+            return self.calibrated.row(batch, int(np.max(drafts)))[drafts]
+        return self.calibrated(batch, 0) * (1.0 + scale[0] * self.extra(batch, drafts))
+
+    def row(self, batch: int, drafts: int) -> np.ndarray:
+        """Milliseconds of a step over `batch` requests with 0, 1, ..., `drafts` draft tokens in all."""
+        return self.level * self._shape(batch, np.arange(drafts + 1))
+
+    def __call__(self, batch: int, drafts: int) -> float:
+        return float(self.row(batch, drafts)[-1])
+
+    def probe(self, batch: int) -> bool:
+        """Whether this step should draft half of its plan: the newest steps at this batch size all drafted
+        about as many tokens, so that a slope cannot be told, and it is every PROBE_EVERY-th step."""
+        steps = self._steps.get(batch)
+        return steps is not None and len(steps) >= 2 * MIN_EACH and self._step % PROBE_EVERY == 0 \
+            and not self._spread(steps)
+
+    def fitted(self, batch: int) -> Optional[float]:
+        """The factor on the calibrated shape at this batch size, where the newest steps fitted one."""
+        scale = self._scale.get(batch)
+        return None if scale is None else scale[0]
+
+
+class ProposeTime:
+    """propose()'s own time per running request, in steps that drafted and in steps that did not: the medians of
+    the newest PROPOSE_STEPS of each.  Drafting's measurements older than PROPOSE_STALE steps are forgotten (until
+    drafting runs again it is assumed to cost nothing more), so one slow call -- the first look into a store the
+    page cache had dropped, a native library built on first use -- cannot keep drafting off for good (until
+    MIN_EACH drafting steps were timed, drafting is taken to cost nothing more, so that it is tried)."""
+
+    def __init__(self):
+        self._drafting: deque = deque(maxlen=PROPOSE_STEPS)  # (step, ms per request)
+        self._plain: deque = deque(maxlen=PROPOSE_STEPS)
+        self._step = 0
+
+    def add(self, drafting: bool, requests: int, ms: float) -> None:
+        self._step += 1
+        if requests > 0:
+            (self._drafting if drafting else self._plain).append((self._step, ms / requests))
+        while self._drafting and self._drafting[0][0] <= self._step - PROPOSE_STALE:
+            self._drafting.popleft()
+
+    def plain_ms(self, requests: int) -> float:
+        """What a step that drafts nothing spends in propose() (following the requests)."""
+        return requests * statistics.median([ms for _, ms in self._plain]) if self._plain else 0.0
+
+    def drafting_ms(self, requests: int) -> float:
+        """What drafting adds to propose() in a step over this many requests."""
+        if len(self._drafting) < MIN_EACH:  # too few to outvote a first slow call: drafting is tried
+            return 0.0
+        per_request = statistics.median([ms for _, ms in self._drafting])
+        return max(0.0, requests * per_request - self.plain_ms(requests))
+
+
+class RecentChains:
+    """The chains the newest lookups gave, one per looked-up request (the plan's chances; an empty chain where
+    nothing was found): whether drafting would pay is asked on chains like these before any lookup is made.
+    Chains older than PROPOSE_STALE steps are forgotten, and while fewer than MIN_CHAINS are known the missing
+    ones are taken as the hopeful prior: a few lookups that found nothing (the first request's, say) cannot keep
+    drafting off for good, since with drafting off nothing new would be learned."""
+
+    def __init__(self):
+        self._chains: deque = deque(maxlen=RECENT_CHAINS)  # (step, chances)
+        self._step = 0
+
+    def tick(self) -> None:
+        """One more engine step."""
+        self._step += 1
+        while self._chains and self._chains[0][0] <= self._step - PROPOSE_STALE:
+            self._chains.popleft()
+
+    def add(self, chances: list[float]) -> None:
+        self._chains.append((self._step, chances))
+
+    def chains(self, prior: list[float]) -> list[list[float]]:
+        known = [c for _, c in self._chains]
+        return known + [prior] * max(0, MIN_CHAINS - len(known))
