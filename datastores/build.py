@@ -30,7 +30,7 @@ import numpy as np
 import pydivsufsort
 from tqdm.auto import tqdm
 
-from datastores.common import SEP, DatastoreError, cache_dir
+from datastores.common import SEP, DatastoreError
 from datastores.fingerprint import tokenizer_fingerprint
 from datastores.sources import DocumentSource, iter_documents, python_version_tag
 from datastores.static import (
@@ -42,6 +42,7 @@ from datastores.static import (
     file_record,
     index_dtype,
 )
+from rest_base.files import cache_dir
 
 BATCH_CHARS = 1 << 20  # text per tokenizer call: big enough to use the Rust threads
 BATCH_DOCS = 512

@@ -41,10 +41,10 @@ from datastores.common import (
     gather_continuations,
     query_ids,
     query_tail,
-    write_atomic,
 )
 from datastores.native import request_scan_library
 from datastores.pairs import MAX_LOG2, MIN_LOG2, PairBits
+from rest_base.files import write_atomic
 
 _MASK = (1 << 64) - 1
 _M1 = 0x9E3779B97F4A7C15

@@ -49,9 +49,10 @@ from datastores.common import (
     check_lookup_args,
     empty_lookup,
     query_ids,
-    write_atomic,
 )
-from datastores.native import address, recycle_grow_library
+from datastores.native import recycle_grow_library
+from rest_base.files import write_atomic
+from rest_base.native_build import address
 
 BRANCHING = (4, 3, 2, 2, 1, 1, 1, 1, 1, 1)  # children per node at each depth of the drafted tree
 # prior chance that the rank-r successor recorded after the same two tokens is the model's next token, and

@@ -54,11 +54,12 @@ from datastores.common import (
     gather_continuations,
     query_ids,
     sliding_window,
-    write_atomic,
 )
 from datastores.fingerprint import check_tokenizer
-from datastores.native import address, static_lookup_library
+from datastores.native import static_lookup_library
 from datastores.pairs import PairBits, log2_bits_for, pair_bits_path, read_pair_bits
+from rest_base.files import write_atomic
+from rest_base.native_build import address
 
 FORMAT_NAME = "rest-lab-token-datastore"
 FORMAT_VERSION = 1

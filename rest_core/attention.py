@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datastores.common import cache_dir, write_atomic
+from rest_base.files import cache_dir, write_atomic
 from rest_core import native
 from rest_core.kernels import ROWS, Progress, Report, kernels_mode, row_neighbours, row_ranges
 from rest_core.machine import machine_key

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from datastores.common import cache_dir, safe_file_name, write_atomic
+from rest_base.files import cache_dir, safe_file_name, write_atomic
 from rest_core import native
 from rest_core.kernels import ROWS
 from rest_core.kv_cache import new_cache

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datastores.common import cache_dir, safe_file_name, write_atomic
+from rest_base.files import cache_dir, safe_file_name, write_atomic
 from rest_core import native
 from rest_core.machine import machine_key
 

@@ -674,8 +674,8 @@ def test_the_native_lookup_answers_as_the_python_path(docs, ctx, n_max, n_min, m
 def test_the_native_lookup_answers_as_the_python_path_on_the_built_in_store():
     """On the Python store the app drafts from (where it is built), 300 contexts cut from its own stream and 100
     random ones give the same answers both ways, many of them past max_matches (16)."""
-    from datastores.common import cache_dir
     from datastores.native import static_lookup_library
+    from rest_base.files import cache_dir
     if static_lookup_library() is None:
         pytest.skip("no C++ compiler here: the Python path is the only one")
     found = [p for p in sorted((cache_dir() / "stores").glob("python-*")) if (p / "meta.json").exists()]

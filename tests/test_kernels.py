@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 import rest_core.kernels as kernels
 from datastores import assemble_stores
-from datastores.common import cache_dir
+from rest_base.files import cache_dir
 from rest_core import cost, native
 from rest_core.bench import BenchPrompt, run_benchmark
 from rest_core.bench.cli import kernel_variants
