@@ -43,7 +43,6 @@ cost curve is measured once per process for a model, device and machine.
 from __future__ import annotations
 
 import bisect
-import json
 import os
 import statistics
 import time
@@ -56,7 +55,8 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from rest_base.files import cache_dir, safe_file_name, write_atomic
+from rest_base.calibration import CalibrationFile
+from rest_base.files import cache_dir, read_json, safe_file_name, write_json
 from rest_core import native
 from rest_core.kernels import ROWS
 from rest_core.kv_cache import new_cache
@@ -79,6 +79,7 @@ PRIOR_SCALE = 0.4  # the prior: this fraction of the ratio
 MAX_COUNT = 5000.0  # per cell: older observations fade so the calibration keeps adapting
 FEW_NODES = 16  # trees of up to this many drafts learn in Python numbers (CostModel._observe_few)
 _BINS_LIST, _SUPPORT_LIST = BINS.tolist(), SUPPORT.tolist()
+CURVE_VERSION = 1  # of the calibration file (1: kept as a rest_base.calibration file)
 STATS_VERSION = 3  # 3: the model source drafts from pairs of tokens too (its cells mean other things)
 REQUEST_WEIGHT = 4.0  # expected acceptances behind each request's correction: a few steps move it
 AGREE_LEVELS = 3  # nodes drafted by 1, 2, 3 or more sources (rows of that many sources run through the node)
@@ -141,17 +142,16 @@ class CostModel:
         8-token pass's relative cost by more than 12%: the machine changed, or was busy
         back then).  REST_LAB_RECALIBRATE=1 forces a new measurement.
         """
-        path = _calibration_path(lm)
-        times = _CURVES.get(path) if cache else None
+        calibration = _calibration_file(lm)
+        times = _CURVES.get(calibration.path) if cache else None
         if times is None:
-            times = _cached_curve(lm, path) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
+            times = _cached_curve(lm, calibration) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
             if times is None:
                 times = measure_forward_curve(lm)
                 if cache:
-                    _write_json(path, {"grid": GRID, "times_ms": times.tolist(),
-                                       "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                    calibration.write({"times_ms": times.tolist()})
             if cache:
-                _CURVES[path] = times
+                _CURVES[calibration.path] = times
         model = cls(times_ms=np.array(times, dtype=float),
                     labels={s.source: getattr(s, "label", s.source) for s in stores or ()}, kind=kind)
         if cache:
@@ -494,18 +494,18 @@ class CostModel:
         decode; the decoder writes no files."""
         if self.stats_path is None:
             return
-        data = _read_json(self.stats_path)
+        data = read_json(self.stats_path)
         stores = _stored_counts(data)
         stores.update({self._disk_key(self.labels.get(k, k)): v.tolist() for k, v in self.counts.items()})
         agreement = _stored_agreement(data)
         agreement[self.kind] = self.agreement.tolist()
-        _write_json(self.stats_path, {"version": STATS_VERSION, "shape": list(SHAPE), "bins": BINS.tolist(),
-                                      "stores": stores, "agreement": agreement})
+        write_json(self.stats_path, {"version": STATS_VERSION, "shape": list(SHAPE), "bins": BINS.tolist(),
+                                     "stores": stores, "agreement": agreement})
 
     def load_stats(self) -> None:
         """Counts saved by earlier runs with this model for these stores, and this kind's agreement sums;
         anything unreadable is ignored."""
-        data = _read_json(self.stats_path)
+        data = read_json(self.stats_path)
         saved = _stored_counts(data)
         agreement = _stored_agreement(data).get(self.kind)
         self.agreement = np.asarray(agreement, dtype=float) if agreement is not None else np.zeros((2, AGREE_LEVELS))
@@ -666,38 +666,21 @@ def monotone_fit(values: np.ndarray) -> np.ndarray:
 _CURVES: dict[Path, np.ndarray] = {}  # calibration file -> curve measured or checked in this process
 
 
-def _read_json(path: Optional[Path]):
-    if path is None or not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (ValueError, OSError):
-        return None
-
-
-def _write_json(path: Path, data: dict) -> None:
-    """Atomically (temp file + rename); a cache that cannot be written is skipped."""
-    try:
-        write_atomic(path, json.dumps(data).encode("utf-8"))
-    except OSError:
-        pass
-
-
 PROBE = (1, 8)  # sizes a new process times to check a cached curve
 PROBE_LEVEL = 0.25  # a one-token pass this much slower or faster: the machine is not what it was
 PROBE_SHAPE = 0.12  # an 8-token pass's cost relative to a one-token pass off by this share: the choice would differ
 
 
-def _cached_curve(lm, path: Path) -> Optional[np.ndarray]:
+def _cached_curve(lm, calibration: CalibrationFile) -> Optional[np.ndarray]:
     """The curve stored on disk, if a quick probe agrees with it: a one-token pass within 25% of its time,
     and an 8-token pass's cost relative to it within 12% of the curve's.  The budget choice reads only the
     curve's shape (how much more a tree costs than one token), so a curve measured while the machine was
     busy -- a one-token pass at the usual time, larger sizes slowed, or the other way round -- must not
     survive a probe that sees another shape."""
-    data = _read_json(path)
+    data = calibration.read()
+    if data is None:
+        return None
     try:
-        if not isinstance(data, dict) or tuple(data["grid"]) != GRID:
-            return None
         times = np.array(data["times_ms"], dtype=float)
     except (KeyError, TypeError, ValueError):
         return None
@@ -719,8 +702,10 @@ def _stats_path_for(model_name: str) -> Path:
     return cache_dir() / "cost" / f"{safe_file_name(model_name)}-acceptance-v{STATS_VERSION}.json"
 
 
-def _calibration_path(lm) -> Path:
+def _calibration_file(lm) -> CalibrationFile:
+    """Where this model's curve on this machine is kept: per device, dtype and machine key, and per choice of linear
+    kernels (the curve depends on the kernels in use), measured on this grid."""
     kernels = getattr(lm, "kernels", None)
-    tag = kernels.key() if kernels is not None else ""  # the curve depends on the linear kernels in use
-    key = f"{lm.name}-{lm.device.type}-{str(lm.dtype).split('.')[-1]}-{machine_key()}" + (f"-{tag}" if tag else "")
-    return cache_dir() / "cost" / f"{safe_file_name(key)}.json"
+    tag = kernels.key() if kernels is not None else ""
+    return CalibrationFile("cost", f"{lm.name}-{lm.device.type}-{str(lm.dtype).split('.')[-1]}",
+                           machine_key() + (f"-{tag}" if tag else ""), CURVE_VERSION, {"grid": list(GRID)})

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rest_base import machine, native_build
+from rest_base.calibration import CalibrationFile
 from rest_core import machine as engine_machine
 
 SOURCE = 'extern "C" int rest_lab_answer() { return %d; }\n'
@@ -91,3 +92,26 @@ def test_one_cpuinfo_reader_serves_the_engine_and_the_build(monkeypatch):
     assert machine.cpu_key() != key
     fields["model"], fields["flags"] = "1", "fpu avx2"  # another instruction set: another build
     assert machine.cpu_key() != key
+
+
+def test_a_calibration_reads_back_only_under_its_version_and_facts(monkeypatch, tmp_path):
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
+    made = CalibrationFile("kernels", "org/model", "abc123", 2, {"rows": (1, 2), "native": "src1"})
+    assert made.path == tmp_path / "kernels" / "org_model-abc123.json" and made.read() is None
+    made.write({"times": {"1": 0.5}})
+    data = made.read()
+    assert data["times"] == {"1": 0.5} and data["rows"] == [1, 2] and "measured_at" in data
+    assert [p.name for p in made.path.parent.iterdir()] == [made.path.name]  # no temporary file left
+    for other in (CalibrationFile("kernels", "org/model", "abc123", 3, made.made_with),  # another method
+                  CalibrationFile("kernels", "org/model", "abc123", 2, {"rows": (1, 2), "native": "src2"}),
+                  CalibrationFile("kernels", "org/model", "abc123", 2, {"rows": (1, 2, 4), "native": "src1"})):
+        assert other.read() is None, other
+    assert CalibrationFile("kernels", "org/model", "def456", 2, made.made_with).read() is None  # another machine
+    for text in ("{not json", "[1, 2]", ""):
+        made.path.write_text(text)
+        assert made.read() is None
+    made.path.parent.chmod(0o500)  # a cache that cannot be written: skipped, nothing raised
+    try:
+        made.write({"times": {}})
+    finally:
+        made.path.parent.chmod(0o700)

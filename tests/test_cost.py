@@ -190,21 +190,21 @@ def test_unreadable_acceptance_stats_are_ignored(tmp_path):
 
 
 def test_the_calibration_is_kept_per_machine(tiny_lm, monkeypatch):
-    here = cost._calibration_path(tiny_lm)
+    here = cost._calibration_file(tiny_lm).path
     monkeypatch.setattr(machine.torch, "__version__", "0.0.0-other")
-    assert cost._calibration_path(tiny_lm) != here  # another torch: measured again
+    assert cost._calibration_file(tiny_lm).path != here  # another torch: measured again
     monkeypatch.undo()
     info = {"cpu": "Test CPU", "cpu_vendor": "NoSuchVendor", "cpu_family": "0/0", "cpu_features": [],
             "cpu_capability": "DEFAULT"}  # no real machine reports this one, so it is not the machine running the test
     monkeypatch.setattr(machine, "cpu_info", lambda: info)
-    assert cost._calibration_path(tiny_lm) != here  # another CPU or instruction set: measured again
+    assert cost._calibration_file(tiny_lm).path != here  # another CPU or instruction set: measured again
     info.update(cpu="AMD EPYC", cpu_vendor="AuthenticAMD", cpu_family="25/1", cpu_features=["avx2"],
                 cpu_capability="AVX2")
-    zen3 = cost._calibration_path(tiny_lm)
+    zen3 = cost._calibration_file(tiny_lm).path
     info.update(cpu_family="26/2", cpu_features=["avx2", "avx512f", "avx512_bf16"], cpu_capability="AVX512")
-    assert cost._calibration_path(tiny_lm) != zen3  # the same name, another generation: measured again
+    assert cost._calibration_file(tiny_lm).path != zen3  # the same name, another generation: measured again
     info.update(cpu_capability="AVX2")
-    assert cost._calibration_path(tiny_lm) != zen3  # the family and features alone tell it apart
+    assert cost._calibration_file(tiny_lm).path != zen3  # the family and features alone tell it apart
 
 
 def test_a_real_pass_caps_every_smaller_size_so_a_spoiled_calibration_recovers():
