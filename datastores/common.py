@@ -19,6 +19,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from rest_base.native_policy import NativePolicy
+
 SEP: int = 0xFFFFFFFF  # document separator in every token stream; never a real token
 # Fibonacci hashing (2^64 / golden ratio): the top b bits of key * GOLDEN spread any keys evenly over 2^b slots
 GOLDEN: int = 0x9E3779B97F4A7C15
@@ -120,6 +122,10 @@ class StoreBase:
 
     def see_state(self, state: np.ndarray, token: int) -> None:
         """state (d,): the model's hidden state at `state_layer` that predicted `token`, the newest committed token."""
+
+    def use_native(self, policy: NativePolicy) -> None:
+        """Take the native lookup (where the store has one) as `policy` says from now on; the answers are the
+        same either way."""
 
     @property
     def label(self) -> str:

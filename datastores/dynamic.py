@@ -45,6 +45,7 @@ from datastores.common import (
 from datastores.native import request_scan_library
 from datastores.pairs import MAX_LOG2, MIN_LOG2, PairBits
 from rest_base.files import write_atomic
+from rest_base.native_policy import NATIVE, NativePolicy
 
 _MASK = (1 << 64) - 1
 _M1 = 0x9E3779B97F4A7C15
@@ -334,14 +335,20 @@ class RequestStore(StoreBase):
     The occurrence that *is* the end of the stored tokens has nothing after it and is
     never a match, so looking up the store's own tokens finds earlier repeats only.
     ``begin`` starts it afresh for each request, indexed for that request's suffix lengths.
-    Looked up by one native scan where that can be built (``native=False``: the hashed index).
+    Looked up by one native scan where that can be built and ``native`` allows it (else the hashed index).
     """
 
     source = "request"
 
-    def __init__(self, tokens: Sequence[int] = (), n_max: int = 16, n_min: int = 2, native: bool = True):
-        self._scan = request_scan_library() if native else None  # None: the hashed index
+    def __init__(self, tokens: Sequence[int] = (), n_max: int = 16, n_min: int = 2,
+                 native: NativePolicy = NATIVE):
+        self._scan = native.library(request_scan_library)  # None: the hashed index
         self.begin(tokens, n_max, n_min)
+
+    def use_native(self, policy: NativePolicy) -> None:
+        """Scan (or hash) as `policy` says: the tokens so far are indexed again the chosen way."""
+        self._scan = policy.library(request_scan_library)
+        self.begin(self.tokens.tolist(), self.n_max, self.n_min)
 
     def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
         self._index = _NgramIndex(n_max, n_min, self._scan, hashed=self._scan is None)
@@ -380,15 +387,16 @@ class HistoryStore(StoreBase):
     than max_tokens keeps its last max_tokens tokens). ``path`` ending in ``.json`` is
     saved as JSON, anything else as ``.npz``; it is loaded on construction if it exists.
     Up to SCAN_MAX tokens it is looked up by one native scan where that can be built
-    (``native=False``: always through its hashed index).
+    (as ``native`` allows; else always through its hashed index).
     """
 
     source = "history"
 
-    def __init__(self, path=None, n_max: int = 16, n_min: int = 2, max_tokens: int = 1_000_000, native: bool = True):
+    def __init__(self, path=None, n_max: int = 16, n_min: int = 2, max_tokens: int = 1_000_000,
+                 native: NativePolicy = NATIVE):
         if max_tokens < 1:
             raise DatastoreError(f"max_tokens={max_tokens}: pass a positive history size")
-        self._scan = request_scan_library() if native else None  # scans a small history; hashed when it grows
+        self._scan = native.library(request_scan_library)  # scans a small history; hashed when it grows
         self.path = Path(path) if path is not None else None
         self.n_max, self.n_min, self.max_tokens = n_max, n_min, max_tokens
         self._reset()
@@ -398,6 +406,9 @@ class HistoryStore(StoreBase):
     @property
     def label(self) -> str:
         return f"history:{self.path}" if self.path is not None else "history"
+
+    def use_native(self, policy: NativePolicy) -> None:
+        self._scan = self._index.scan = policy.library(request_scan_library)  # the postings are kept either way
 
     def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
         """Re-index the kept answers when a request looks up shorter or longer suffixes than indexed."""

@@ -53,6 +53,7 @@ from datastores.common import (
 from datastores.native import recycle_grow_library
 from rest_base.files import write_atomic
 from rest_base.native_build import address
+from rest_base.native_policy import NATIVE, NativePolicy
 
 BRANCHING = (4, 3, 2, 2, 1, 1, 1, 1, 1, 1)  # children per node at each depth of the drafted tree
 # prior chance that the rank-r successor recorded after the same two tokens is the model's next token, and
@@ -90,7 +91,7 @@ class RecycleStore(StoreBase):
         self.vocab_size, self.successors_k = int(vocab_size), int(k)
         self.branching = tuple(int(b) for b in branching)
         self._branching_c = (ctypes.c_int64 * max(1, len(self.branching)))(*self.branching)
-        self.native = True  # draft with recycle_grow.cpp where it can be had (False: the Python path)
+        self.native = NATIVE  # whether to draft with recycle_grow.cpp where it can be had
         self.path = Path(path) if path is not None else None
         self.table = np.full((self.vocab_size, self.successors_k), -1, dtype=np.int32)  # (V, k), -1 = unknown
         # per pair (previous token, token): key previous * V + token in its hashed slot (-1 = empty), successors
@@ -199,10 +200,9 @@ class RecycleStore(StoreBase):
         if not tail or not 0 <= tail[-1] < self.vocab_size or self.table[tail[-1], 0] < 0:
             return empty_lookup(self.source, continuation_len)  # a pair is only ever kept with its token
         previous, last = (tail[0] if len(tail) == 2 else -1), tail[-1]
-        if self.native:
-            found = self._grow_native(previous, last, continuation_len, max_matches)
-            if found is not None:
-                return found
+        found = self._grow_native(previous, last, continuation_len, max_matches)
+        if found is not None:
+            return found
         paths, masses, paired = self._grow(previous, last, continuation_len)
         # rows per path (round half to even, as numpy rounds); Python integers and two array calls in all, since
         # right after a forward pass each distinct numpy operation runs from cold caches
@@ -213,10 +213,13 @@ class RecycleStore(StoreBase):
         rows = np.repeat(rows, [n for _, n in kept], axis=0)[:max_matches]
         return Lookup(self.source, 2 if paired else 1, int(rows.shape[0]), rows)
 
+    def use_native(self, policy: NativePolicy) -> None:
+        self.native = policy
+
     def _grow_native(self, previous: int, root: int, depth: int, max_matches: int) -> Lookup | None:
         """`lookup`'s rows from `recycle_grow.cpp` in one call (the same rows in the same order), or None where that
-        library cannot be had (the Python path then answers)."""
-        lib = recycle_grow_library()
+        library cannot be had or the policy takes the Python path (which then answers)."""
+        lib = self.native.library(recycle_grow_library)
         if lib is None:
             return None
         tables = (self.table, self.pair_keys, self.pair_table)

@@ -60,6 +60,7 @@ from datastores.native import static_lookup_library
 from datastores.pairs import PairBits, log2_bits_for, pair_bits_path, read_pair_bits
 from rest_base.files import write_atomic
 from rest_base.native_build import address
+from rest_base.native_policy import NATIVE, NativePolicy
 
 FORMAT_NAME = "rest-lab-token-datastore"
 FORMAT_VERSION = 1
@@ -183,6 +184,7 @@ class TokenDatastore(StoreBase):
         self._windows: dict[int, np.ndarray] = {}  # continuation_len -> sliding view of the stream
         self._sa_item = np.dtype(sa_dtype).itemsize
         self._sa_unpack = struct.Struct("<I" if self._sa_item == 4 else "<Q").unpack_from
+        self.native = NATIVE  # whether the lookup is one call of static_lookup.cpp where it can be had
         self._native = None  # (library, stream / suffix array / ends addresses), looked up at the first lookup
         # per token id t, ranks [first[t], first[t + 1]) are those whose newest token is t (None: not ready)
         self._first: array.array | None = self._read_first_table()
@@ -498,6 +500,9 @@ class TokenDatastore(StoreBase):
             b += take_r - ((b - inner[1]) - self._dead(inner[1], b))
         return np.concatenate([self._live_ranks(a, inner[0]), got, self._live_ranks(inner[1], b)])
 
+    def use_native(self, policy: NativePolicy) -> None:
+        self.native, self._native = policy, None  # the library asked again at the next lookup
+
     def _native_lookup(self, ext: list[int], n_max: int, n_min: int, max_matches: int,
                        continuation_len: int) -> Lookup | None:
         """`lookup` in one call of `static_lookup.cpp` (the same rows in the same order), or None where that
@@ -505,7 +510,7 @@ class TokenDatastore(StoreBase):
         answers)."""
         native = self._native
         if native is None:
-            lib = static_lookup_library()
+            lib = self.native.library(static_lookup_library)
             if lib is None or self._tokens is None:
                 self._native = False
                 return None

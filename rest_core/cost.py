@@ -57,6 +57,7 @@ import torch
 
 from rest_base.calibration import CalibrationFile
 from rest_base.files import cache_dir, read_json, safe_file_name, write_json
+from rest_base.native_policy import NATIVE, NativePolicy
 from rest_core import native
 from rest_core.kernels import ROWS
 from rest_core.kv_cache import new_cache
@@ -119,7 +120,7 @@ class CostModel:
     # the request's correction, of the tested nodes that many sources drafted (rows 0 / 1)
     agreement: np.ndarray = field(default_factory=lambda: np.zeros((2, AGREE_LEVELS)))
     use_agreement: bool = True  # False: no agreement correction (side-by-side runs)
-    native_ranking: bool = True  # False: rank with numpy even where rank_tree.cpp is built (side-by-side runs)
+    native: NativePolicy = NATIVE  # whether to rank with rank_tree.cpp where it is built (else numpy)
 
     def __post_init__(self) -> None:
         self.times_ms = np.array(self.times_ms, dtype=float)
@@ -267,7 +268,7 @@ class CostModel:
                        with_budget: bool = False) -> Optional[tuple[np.ndarray, np.ndarray, int]]:
         """`ranked` (and with_budget, the best budget of `_best_budget`) in one native call; None where it cannot
         be had."""
-        if not self.native_ranking or native.rank_tree_library() is None:
+        if self.native.library(native.rank_tree_library) is None:
             return None  # checked first: without the library the numpy path would follow this work, not replace it
         names: dict[str, int] = {}
         index = [-1]

@@ -10,6 +10,7 @@ import torch
 
 from rest_base import machine, native_build
 from rest_base.calibration import CalibrationFile
+from rest_base.native_policy import NATIVE, PYTHON, NativePolicy
 from rest_core import machine as engine_machine
 
 SOURCE = 'extern "C" int rest_lab_answer() { return %d; }\n'
@@ -115,3 +116,11 @@ def test_a_calibration_reads_back_only_under_its_version_and_facts(monkeypatch, 
         made.write({"times": {}})
     finally:
         made.path.parent.chmod(0o700)
+
+
+def test_a_python_policy_never_asks_for_the_library():
+    asked = []
+    lib = object()
+    assert NATIVE.library(lambda: asked.append(1) or lib) is lib and asked == [1]
+    assert PYTHON.library(lambda: asked.append(2) or lib) is None and asked == [1]
+    assert NativePolicy(on=False) == PYTHON and NativePolicy() == NATIVE
