@@ -294,11 +294,11 @@ class _NgramIndex:
 
     def _scanned(self, newest: list[int], n_min: int, max_matches: int) -> tuple[int, int, np.ndarray]:
         """`match` by one native scan of the stream (the same matched length, count and positions)."""
-        chosen = np.empty(min(max_matches, self.size), dtype=np.int64)
+        chosen = np.empty(max(1, min(max_matches, self.size)), dtype=np.int64)
         info = (ctypes.c_int64 * 2)()
         k = self.scan.rest_lab_request_scan(self.toks.ctypes.data, self.size, self.live_start,
                                             (ctypes.c_int64 * len(newest))(*newest), len(newest), n_min,
-                                            max(1, chosen.size), chosen.ctypes.data, info)
+                                            chosen.size, chosen.ctypes.data, chosen.size, info, len(info))
         if k < 0:
             raise DatastoreError("the request store's scan refused its input (a bug: please report it)")
         return (info[0], info[1], chosen[:k]) if info[0] else (0, 0, np.empty(0, dtype=np.int64))

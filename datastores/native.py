@@ -31,7 +31,7 @@ def _library(source: Path, stem: str, declare) -> Optional[ctypes.CDLL]:
 def _declare_static_lookup(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rest_lab_static_lookup.argtypes = [ptr, i64, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64,
-                                           i64, ptr, ptr]
+                                           i64, ptr, i64, ptr, i64]
     lib.rest_lab_static_lookup.restype = i64
 
 
@@ -42,7 +42,7 @@ def static_lookup_library() -> Optional[ctypes.CDLL]:
 
 def _declare_request_scan(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rest_lab_request_scan.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr]
+    lib.rest_lab_request_scan.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64]
     lib.rest_lab_request_scan.restype = i64
 
 
@@ -53,8 +53,8 @@ def request_scan_library() -> Optional[ctypes.CDLL]:
 
 def _declare_recycle_grow(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rest_lab_recycle_grow.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_uint64, i64, ptr, i64, ptr, i64, ptr,
-                                          i64, i64, i64, i64, ctypes.c_double, i64, ptr, ptr]
+    lib.rest_lab_recycle_grow.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_uint64, i64, ptr, i64, ptr, i64,
+                                          ptr, i64, i64, i64, i64, ctypes.c_double, i64, ptr, i64, ptr, i64]
     lib.rest_lab_recycle_grow.restype = i64
 
 

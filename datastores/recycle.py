@@ -224,15 +224,18 @@ class RecycleStore(StoreBase):
             return None
         tables = (self.table, self.pair_keys, self.pair_table)
         if not all(t.flags.c_contiguous for t in tables) or self.table.dtype != np.int32 \
-                or self.pair_table.dtype != np.int32 or self.pair_keys.dtype != np.int64:
-            return None
+                or self.pair_table.dtype != np.int32 or self.pair_keys.dtype != np.int64 \
+                or self.table.shape != (self.vocab_size, self.successors_k) \
+                or self.pair_table.shape != (len(self.pair_keys), self.successors_k):
+            return None  # the library reads the tables at these shapes: anything else takes the Python path
         table, keys, pairs = (address(t) for t in tables)
         rows = np.empty((min(max_matches, 4 * self.row_scale), depth), dtype=np.int64)
         info = (ctypes.c_int64 * 1)()
-        n = lib.rest_lab_recycle_grow(table, self.vocab_size, self.successors_k, keys, pairs, GOLDEN, _SHIFT,
-                                      self._branching_c, len(self.branching), _PAIR_PRIOR_C, len(PAIR_PRIOR),
-                                      _TOKEN_PRIOR_C, len(TOKEN_PRIOR), previous, root, depth, float(self.row_scale),
-                                      rows.shape[0], rows.ctypes.data, info)
+        n = lib.rest_lab_recycle_grow(table, self.vocab_size, self.successors_k, keys, pairs, len(self.pair_keys),
+                                      GOLDEN, _SHIFT, self._branching_c, len(self.branching), _PAIR_PRIOR_C,
+                                      len(PAIR_PRIOR), _TOKEN_PRIOR_C, len(TOKEN_PRIOR), previous, root, depth,
+                                      float(self.row_scale), rows.shape[0], rows.ctypes.data, rows.size, info,
+                                      len(info))
         if n < 0 or (n == rows.shape[0] < max_matches):  # refused, or the buffer may have cut rows: Python
             return None
         if n == 0:

@@ -526,7 +526,7 @@ class TokenDatastore(StoreBase):
         info = (ctypes.c_int64 * 2)()
         k = lib.rest_lab_static_lookup(tokens, self.n_tokens, sa, ends, self._ends.size, self._sa_item, first_at,
                                        first_len, (ctypes.c_int64 * len(ext))(*ext), len(ext), n_max, n_min,
-                                       max_matches, continuation_len, rows.ctypes.data, info)
+                                       max_matches, continuation_len, rows.ctypes.data, rows.size, info, len(info))
         if k < 0:
             return None
         if info[0] == 0:
