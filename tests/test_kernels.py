@@ -14,7 +14,7 @@ from transformers import DynamicCache
 import rest_core.kernels as kernels
 from datastores import assemble_stores
 from rest_base.files import cache_dir
-from rest_core import cost, native
+from rest_core import cost_curve, native
 from rest_core.bench import BenchPrompt, run_benchmark
 from rest_core.bench.cli import kernel_variants
 from rest_core.bench.verify_pass import cost_curves, verify_markdown
@@ -233,12 +233,12 @@ def test_calibration_is_kept_per_machine_key_and_measured_again_on_a_new_one(mon
 @pytest.mark.slow
 def test_the_cost_curve_is_calibrated_per_kernel_choice():
     lm, _ = tuned_tiny()
-    tuned_path = cost._calibration_file(lm).path
+    tuned_path = cost_curve.calibration_file(lm).path
     lm.kernels.enabled = False
-    default_path = cost._calibration_file(lm).path
+    default_path = cost_curve.calibration_file(lm).path
     assert tuned_path != default_path and lm.kernels.key() in tuned_path.name
     lm.kernels = None
-    assert cost._calibration_file(lm).path == default_path  # switched off = never tuned: the same curve
+    assert cost_curve.calibration_file(lm).path == default_path  # switched off = never tuned: the same curve
 
 
 @pytest.mark.slow
