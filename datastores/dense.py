@@ -43,7 +43,7 @@ from datastores.common import (
     gather_continuations,
 )
 from datastores.fingerprint import tokenizer_fingerprint
-from datastores.static import full_hash
+from datastores.store_format import full_hash
 from rest_base.files import write_atomic
 
 SOURCE = "dense"

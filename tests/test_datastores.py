@@ -28,7 +28,8 @@ from datastores import (
     tokenizer_fingerprint,
 )
 from datastores.native import request_scan_library
-from datastores.static import LEFT_CONTEXT_TOKENS, SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS
+from datastores.static import LEFT_CONTEXT_TOKENS
+from datastores.store_format import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS
 from rest_base.native_policy import NATIVE, PYTHON, NativePolicy
 from rest_core.datastore_cli import main
 
