@@ -32,7 +32,7 @@ from datastores.builtin import (
     open_static_store,
     store_labels,
 )
-from datastores.common import SEP, DatastoreError, Lookup, Store, StoreBase, cache_dir
+from datastores.common import SEP, DatastoreError, Lookup, Store, StoreBase
 from datastores.dense import DenseStore, build_dense_store
 from datastores.dynamic import HistoryStore, RequestStore
 from datastores.fingerprint import check_tokenizer, tokenizer_fingerprint
@@ -66,7 +66,6 @@ __all__ = [
     "build_datastore",
     "build_dense_store",
     "build_from_token_documents",
-    "cache_dir",
     "check_tokenizer",
     "default_history_path",
     "default_python_roots",

@@ -26,9 +26,10 @@ from typing import Any, Optional
 
 from datastores.answer_prompts import answer_prompts
 from datastores.build import build_from_token_documents
-from datastores.common import DatastoreError, cache_dir, safe_file_name, write_atomic
+from datastores.common import DatastoreError
 from datastores.fingerprint import tokenizer_fingerprint
 from datastores.static import TokenDatastore
+from rest_base.files import cache_dir, safe_file_name, write_atomic
 
 SOURCE = "answers"
 ANSWERS_FILE = "answers.jsonl"

@@ -30,18 +30,12 @@ import numpy as np
 import pydivsufsort
 from tqdm.auto import tqdm
 
-from datastores.common import SEP, DatastoreError, cache_dir
+from datastores.common import SEP, DatastoreError
 from datastores.fingerprint import tokenizer_fingerprint
 from datastores.sources import DocumentSource, iter_documents, python_version_tag
-from datastores.static import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    META_NAME,
-    TOKENS_NAME,
-    TokenDatastore,
-    file_record,
-    index_dtype,
-)
+from datastores.static import TokenDatastore
+from datastores.store_format import FORMAT_NAME, FORMAT_VERSION, META_NAME, TOKENS_NAME, file_record, index_dtype
+from rest_base.files import cache_dir
 
 BATCH_CHARS = 1 << 20  # text per tokenizer call: big enough to use the Rust threads
 BATCH_DOCS = 512

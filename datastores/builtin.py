@@ -28,13 +28,14 @@ from datastores.answers import (
     read_kept_answers,
 )
 from datastores.build import build_datastore
-from datastores.common import DatastoreError, Store, cache_dir, safe_file_name
+from datastores.common import DatastoreError, Store
 from datastores.dense import DEFAULT_DIM, DenseStore, States, build_dense_store
 from datastores.dynamic import HistoryStore, RequestStore
 from datastores.fingerprint import tokenizer_fingerprint
 from datastores.recycle import RecycleStore
 from datastores.sources import iter_python_sources, site_packages_roots, stdlib_root
 from datastores.static import TokenDatastore
+from rest_base.files import cache_dir, safe_file_name
 
 DEFAULT_STORE_TOKENS = int(os.environ.get("REST_LAB_DEFAULT_STORE_TOKENS", 50_000_000))
 WARM_SHARE = 0.25  # a store is warmed at open when its files take at most this share of the available memory

@@ -13,14 +13,13 @@ semantics, so the pieces that define that semantics live here once:
 """
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from rest_base.native_policy import NativePolicy
 
 SEP: int = 0xFFFFFFFF  # document separator in every token stream; never a real token
 # Fibonacci hashing (2^64 / golden ratio): the top b bits of key * GOLDEN spread any keys evenly over 2^b slots
@@ -33,37 +32,11 @@ __all__ = [
     "Lookup",
     "Store",
     "StoreBase",
-    "cache_dir",
     "check_lookup_args",
     "gather_continuations",
     "query_ids",
     "query_tail",
 ]
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a file whole or not at all: a temporary sibling (one per process and thread), then a rename (OSError
-    on failure, leaving no temporary file behind)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def safe_file_name(name: str) -> str:
-    """A model or store name as one file-name part: letters, digits, '-', '_' and '.' kept, the rest '_'."""
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
-
-
-def cache_dir() -> Path:
-    """REST_LAB_CACHE or ~/.cache/rest-lab, created on demand."""
-    d = Path(os.environ.get("REST_LAB_CACHE") or Path.home() / ".cache" / "rest-lab").expanduser()
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 class DatastoreError(Exception):
@@ -149,6 +122,10 @@ class StoreBase:
 
     def see_state(self, state: np.ndarray, token: int) -> None:
         """state (d,): the model's hidden state at `state_layer` that predicted `token`, the newest committed token."""
+
+    def use_native(self, policy: NativePolicy) -> None:
+        """Take the native lookup (where the store has one) as `policy` says from now on; the answers are the
+        same either way."""
 
     @property
     def label(self) -> str:

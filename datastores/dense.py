@@ -42,10 +42,10 @@ from datastores.common import (
     check_lookup_args,
     empty_lookup,
     gather_continuations,
-    write_atomic,
 )
 from datastores.fingerprint import tokenizer_fingerprint
-from datastores.static import full_hash
+from datastores.store_format import full_hash
+from rest_base.files import write_atomic
 
 SOURCE = "dense"
 FORMAT_VERSION = 1

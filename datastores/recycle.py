@@ -49,9 +49,11 @@ from datastores.common import (
     check_lookup_args,
     empty_lookup,
     query_ids,
-    write_atomic,
 )
-from datastores.native import address, recycle_grow_library
+from datastores.native import recycle_grow_library
+from rest_base.files import write_atomic
+from rest_base.native_build import address
+from rest_base.native_policy import NATIVE, NativePolicy
 
 BRANCHING = (4, 3, 2, 2, 1, 1, 1, 1, 1, 1)  # children per node at each depth of the drafted tree
 # prior chance that the rank-r successor recorded after the same two tokens is the model's next token, and
@@ -89,7 +91,7 @@ class RecycleStore(StoreBase):
         self.vocab_size, self.successors_k = int(vocab_size), int(k)
         self.branching = tuple(int(b) for b in branching)
         self._branching_c = (ctypes.c_int64 * max(1, len(self.branching)))(*self.branching)
-        self.native = True  # draft with recycle_grow.cpp where it can be had (False: the Python path)
+        self.native = NATIVE  # whether to draft with recycle_grow.cpp where it can be had
         self.path = Path(path) if path is not None else None
         self.table = np.full((self.vocab_size, self.successors_k), -1, dtype=np.int32)  # (V, k), -1 = unknown
         # per pair (previous token, token): key previous * V + token in its hashed slot (-1 = empty), successors
@@ -198,10 +200,9 @@ class RecycleStore(StoreBase):
         if not tail or not 0 <= tail[-1] < self.vocab_size or self.table[tail[-1], 0] < 0:
             return empty_lookup(self.source, continuation_len)  # a pair is only ever kept with its token
         previous, last = (tail[0] if len(tail) == 2 else -1), tail[-1]
-        if self.native:
-            found = self._grow_native(previous, last, continuation_len, max_matches)
-            if found is not None:
-                return found
+        found = self._grow_native(previous, last, continuation_len, max_matches)
+        if found is not None:
+            return found
         paths, masses, paired = self._grow(previous, last, continuation_len)
         # rows per path (round half to even, as numpy rounds); Python integers and two array calls in all, since
         # right after a forward pass each distinct numpy operation runs from cold caches
@@ -212,23 +213,29 @@ class RecycleStore(StoreBase):
         rows = np.repeat(rows, [n for _, n in kept], axis=0)[:max_matches]
         return Lookup(self.source, 2 if paired else 1, int(rows.shape[0]), rows)
 
+    def use_native(self, policy: NativePolicy) -> None:
+        self.native = policy
+
     def _grow_native(self, previous: int, root: int, depth: int, max_matches: int) -> Lookup | None:
         """`lookup`'s rows from `recycle_grow.cpp` in one call (the same rows in the same order), or None where that
-        library cannot be had (the Python path then answers)."""
-        lib = recycle_grow_library()
+        library cannot be had or the policy takes the Python path (which then answers)."""
+        lib = self.native.library(recycle_grow_library)
         if lib is None:
             return None
         tables = (self.table, self.pair_keys, self.pair_table)
         if not all(t.flags.c_contiguous for t in tables) or self.table.dtype != np.int32 \
-                or self.pair_table.dtype != np.int32 or self.pair_keys.dtype != np.int64:
-            return None
+                or self.pair_table.dtype != np.int32 or self.pair_keys.dtype != np.int64 \
+                or self.table.shape != (self.vocab_size, self.successors_k) \
+                or self.pair_table.shape != (len(self.pair_keys), self.successors_k):
+            return None  # the library reads the tables at these shapes: anything else takes the Python path
         table, keys, pairs = (address(t) for t in tables)
         rows = np.empty((min(max_matches, 4 * self.row_scale), depth), dtype=np.int64)
         info = (ctypes.c_int64 * 1)()
-        n = lib.rest_lab_recycle_grow(table, self.vocab_size, self.successors_k, keys, pairs, GOLDEN, _SHIFT,
-                                      self._branching_c, len(self.branching), _PAIR_PRIOR_C, len(PAIR_PRIOR),
-                                      _TOKEN_PRIOR_C, len(TOKEN_PRIOR), previous, root, depth, float(self.row_scale),
-                                      rows.shape[0], rows.ctypes.data, info)
+        n = lib.rest_lab_recycle_grow(table, self.vocab_size, self.successors_k, keys, pairs, len(self.pair_keys),
+                                      GOLDEN, _SHIFT, self._branching_c, len(self.branching), _PAIR_PRIOR_C,
+                                      len(PAIR_PRIOR), _TOKEN_PRIOR_C, len(TOKEN_PRIOR), previous, root, depth,
+                                      float(self.row_scale), rows.shape[0], rows.ctypes.data, rows.size, info,
+                                      len(info))
         if n < 0 or (n == rows.shape[0] < max_matches):  # refused, or the buffer may have cut rows: Python
             return None
         if n == 0:

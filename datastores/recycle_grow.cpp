@@ -36,18 +36,22 @@ struct Node {
 extern "C" {
 
 // table (vocab, k) int32 successors per token (-1 unknown); pair_keys (slots,) int64 (-1 empty) and pair_table
-// (slots, k) int32 per pair previous * vocab + token, in slot ((key * golden) mod 2^64) >> shift.  Writes up to
-// max_rows rows of `depth` int64 (-1 after a path's end) into rows and info[0] = 1 when the root's successors
-// were the pair's; returns the number of rows, or -1 for input it does not take.
+// (slots, k) int32 per pair previous * vocab + token, in slot ((key * golden) mod 2^64) >> shift, slots at least
+// 2^(64 - shift).  Writes up to max_rows rows of `depth` int64 (-1 after a path's end) into rows (room for
+// rows_room values) and info[0] = 1 when the root's successors were the pair's (room for info_room); returns the
+// number of rows, or -1 for input it does not take (buffers too small for the shapes given included: nothing is
+// written then).
 int64_t rest_lab_recycle_grow(const int32_t* table, int64_t vocab, int64_t k, const int64_t* pair_keys,
-                              const int32_t* pair_table, uint64_t golden, int64_t shift, const int64_t* branching,
-                              int64_t n_branching, const double* pair_prior, int64_t n_pair_prior,
-                              const double* token_prior, int64_t n_token_prior, int64_t previous, int64_t root,
-                              int64_t depth, double row_scale, int64_t max_rows, int64_t* rows, int64_t* info) {
-    info[0] = 0;
+                              const int32_t* pair_table, int64_t slots, uint64_t golden, int64_t shift,
+                              const int64_t* branching, int64_t n_branching, const double* pair_prior,
+                              int64_t n_pair_prior, const double* token_prior, int64_t n_token_prior,
+                              int64_t previous, int64_t root, int64_t depth, double row_scale, int64_t max_rows,
+                              int64_t* rows, int64_t rows_room, int64_t* info, int64_t info_room) {
     if (vocab < 1 || k < 1 || depth < 1 || max_rows < 1 || n_pair_prior < 1 || n_token_prior < 1 || root < 0
-        || root >= vocab || shift < 0 || shift > 63)
+        || root >= vocab || shift < 2 || shift > 63 || info_room < 1 || rows_room < 0 || max_rows > rows_room / depth
+        || slots < (int64_t{1} << (64 - shift)) || vocab > INT64_MAX / vocab)
         return -1;
+    info[0] = 0;
     std::vector<int64_t> pool;  // every path's tokens, one after another
     std::vector<int64_t> path_at, path_len;
     std::vector<double> ends;

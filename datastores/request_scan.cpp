@@ -17,10 +17,13 @@ extern "C" {
 
 // toks (size,) the stream (SEP between documents); positions below live_start do not count; newest (m,) the
 // context's newest tokens, newest first.  Writes the chosen end positions (most recent first, at most
-// max_matches) into chosen, info[0] the match length (0: none), info[1] how many positions match that long;
-// returns the number written, or -1 for input it does not take.
+// max_matches) into chosen (room for chosen_room), info[0] the match length (0: none), info[1] how many positions
+// match that long (room for info_room); returns the number written, or -1 for input it does not take (buffers too
+// small for the shapes asked included: nothing is written then).
 int64_t rest_lab_request_scan(const int64_t* toks, int64_t size, int64_t live_start, const int64_t* newest,
-                              int64_t m, int64_t n_min, int64_t max_matches, int64_t* chosen, int64_t* info) {
+                              int64_t m, int64_t n_min, int64_t max_matches, int64_t* chosen, int64_t chosen_room,
+                              int64_t* info, int64_t info_room) {
+    if (info_room < 2 || chosen_room < max_matches) return -1;
     info[0] = info[1] = 0;
     if (size < 0 || m < 0 || n_min < 1 || max_matches < 1 || live_start < 0) return -1;
     if (m < n_min) return 0;

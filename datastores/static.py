@@ -1,24 +1,8 @@
 """The on-disk static store: open, check, look up.
 
-A store is a directory:
-
-* ``tokens.u32`` -- the token stream, little-endian uint32, documents joined by SEP.
-* ``sa.u32`` / ``sa.u64`` -- suffix array of the *reversed* stream, stored as forward
-  end positions ``i``; rank order = the order of the backward strings
-  ``tokens[i], tokens[i-1], ..., tokens[0]`` (unsigned comparison, SEP = 0xFFFFFFFF,
-  a string that runs off the start of the stream sorts before any longer string that
-  begins with it).
-* ``ends.u32`` / ``ends.u64`` -- sorted SA ranks of the positions with no continuation
-  (the last token of each document). They can match but must not count, so a
-  lookup subtracts them from each range with two ``searchsorted`` calls.
-* ``meta.json`` -- provenance, sizes and checksums; written last, so a directory
-  without a valid one is never a store.
-* ``first-token-<hash>.i64`` -- derived, not part of the format: per token id t, the first
-  rank whose backward string begins with t (ranks ending with t are one block, since the
-  newest token leads every key). A lookup binary-searches that block only (~15 probes
-  instead of ~26 in a 50M-token store). Written at build time, or computed and saved the
-  first time an older store opens; the hash in its name ties it to ``tokens.u32``, and a
-  store whose table is missing, stale or unwritable searches every rank (same results).
+A store is a directory of a token stream, the suffix array of its reverse, the ranks of document ends and
+meta.json (their layout, and the checksums that tie them together, are `datastores.store_format`'s), with derived
+tables beside them: a first-token table and the pair bits (`datastores.pairs`).
 
 Why reversed: every query suffix of length n (n_max down to n_min) is a *prefix* of
 the one reversed query ``q[-1], q[-2], ...``, so one binary search finds the longest
@@ -33,8 +17,6 @@ from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
-import json
 import mmap
 import struct
 import threading
@@ -45,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from datastores.common import (
-    SEP,
     DatastoreError,
     Lookup,
     StoreBase,
@@ -54,102 +35,29 @@ from datastores.common import (
     gather_continuations,
     query_ids,
     sliding_window,
-    write_atomic,
 )
 from datastores.fingerprint import check_tokenizer
-from datastores.native import address, static_lookup_library
+from datastores.first_token import count_first_table, first_table_path, read_first_table
+from datastores.native import static_lookup_library
 from datastores.pairs import PairBits, log2_bits_for, pair_bits_path, read_pair_bits
+from datastores.store_format import (
+    META_NAME,
+    TOKENS_NAME,
+    describe_store,
+    full_hash,
+    index_dtype,
+    read_meta,
+    rebuild_hint,
+    sample_hash,
+    save_beside,
+)
+from rest_base.native_build import address
+from rest_base.native_policy import NATIVE, NativePolicy
 
-FORMAT_NAME = "rest-lab-token-datastore"
-FORMAT_VERSION = 1
-META_NAME = "meta.json"
-TOKENS_NAME = "tokens.u32"
 LEFT_CONTEXT_TOKENS = 64  # context tokens used to rank matches when there are too many
-SAMPLE_BLOCKS = 16  # blocks hashed on open (cheap check)
-SAMPLE_BLOCK_BYTES = 1 << 16
 TABLES_AT_ONCE = 1 << 20  # stores up to this size compute a missing first-token table and pair bits at open
 # (milliseconds); larger ones in a background thread (2-4 s per 50M tokens), searching until they are ready
-FIRST_TOKEN_MAX_ID = 1 << 22  # a store holding larger token ids (no tokenizer has them) keeps no table
 NATIVE_MAX_CELLS = 1 << 22  # a native lookup writes max_matches rows into one buffer; larger asks take the Python path
-
-REQUIRED_META = {"format": str, "format_version": int, "tokenizer": dict, "sources": list,
-                 "n_tokens": int, "n_docs": int, "built_at": str, "build": dict, "files": dict}
-
-
-def rebuild_hint(path: Path | str) -> str:
-    return f"rebuild it with `python -m rest_core datastore build {path} ...`"
-
-
-def index_dtype(n_tokens: int) -> tuple[str, str]:
-    """(numpy dtype, file suffix) for positions/ranks of a stream of n_tokens."""
-    return ("<u4", "u32") if n_tokens < 2**32 else ("<u8", "u64")
-
-
-def sample_hash(path: Path, size: int) -> str:
-    """sha256 over the size and SAMPLE_BLOCKS evenly spaced blocks: a cheap on-open check
-    that catches truncation, swapped files and most overwrites without reading it all."""
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
-            h.update(f.read())
-        else:
-            for off in np.linspace(0, size - SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS).astype(np.int64):
-                f.seek(int(off))
-                h.update(f.read(SAMPLE_BLOCK_BYTES))
-    return h.hexdigest()
-
-
-def full_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def file_record(path: Path) -> dict:
-    size = path.stat().st_size
-    return {"size": size, "sample_sha256": sample_hash(path, size), "sha256": full_hash(path)}
-
-
-def _read_meta(path: Path) -> dict:
-    """meta.json parsed and checked for completeness, else a DatastoreError saying why."""
-    if not path.exists():
-        raise DatastoreError(f"no datastore at {path}: the directory does not exist; "
-                             f"build one with `python -m rest_core datastore build {path} ...`")
-    if not path.is_dir():
-        raise DatastoreError(f"{path} is a file, not a datastore directory; "
-                             f"pass the directory that `python -m rest_core datastore build` created")
-    meta_path = path / META_NAME
-    if not meta_path.exists():
-        raise DatastoreError(f"{path} is not a complete datastore: {META_NAME} is missing "
-                             f"(an interrupted build?); {rebuild_hint(path)}")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DatastoreError(f"{meta_path} is corrupt ({exc}); {rebuild_hint(path)}") from None
-    if not isinstance(meta, dict):
-        raise DatastoreError(f"{meta_path} is corrupt (not a JSON object); {rebuild_hint(path)}")
-    for key, typ in REQUIRED_META.items():
-        if not isinstance(meta.get(key), typ):
-            raise DatastoreError(f"{meta_path} is corrupt or incomplete (field {key!r} missing "
-                                 f"or not a {typ.__name__}); {rebuild_hint(path)}")
-    if meta["format"] != FORMAT_NAME:
-        raise DatastoreError(f"{path} holds {meta['format']!r}, not a {FORMAT_NAME}; {rebuild_hint(path)}")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise DatastoreError(f"{path} has format version {meta['format_version']}, this code reads "
-                             f"version {FORMAT_VERSION}; {rebuild_hint(path)}")
-    if meta["n_tokens"] < 1:
-        raise DatastoreError(f"{meta_path} is corrupt (n_tokens < 1); {rebuild_hint(path)}")
-    return meta
-
-
-def _save_beside(path: Path, data: bytes) -> None:
-    """Save a derived table beside the store (best effort: a read-only store computes it again next time)."""
-    try:
-        write_atomic(path, data)
-    except OSError:
-        pass
 
 
 class TokenDatastore(StoreBase):
@@ -182,6 +90,7 @@ class TokenDatastore(StoreBase):
         self._windows: dict[int, np.ndarray] = {}  # continuation_len -> sliding view of the stream
         self._sa_item = np.dtype(sa_dtype).itemsize
         self._sa_unpack = struct.Struct("<I" if self._sa_item == 4 else "<Q").unpack_from
+        self.native = NATIVE  # whether the lookup is one call of static_lookup.cpp where it can be had
         self._native = None  # (library, stream / suffix array / ends addresses), looked up at the first lookup
         # per token id t, ranks [first[t], first[t + 1]) are those whose newest token is t (None: not ready)
         self._first: array.array | None = self._read_first_table()
@@ -209,7 +118,7 @@ class TokenDatastore(StoreBase):
         (consistent with n_tokens) and the sampled-block hash. ``verify()`` hashes all.
         """
         path = Path(path)
-        meta = _read_meta(path)
+        meta = read_meta(path)
         n = meta["n_tokens"]
         _, suffix = index_dtype(n)
         item = 4 if suffix == "u32" else 8
@@ -245,7 +154,7 @@ class TokenDatastore(StoreBase):
         return str(self.meta.get("files", {}).get(TOKENS_NAME, {}).get("sample_sha256", "unhashed"))
 
     def _first_table_path(self) -> Path:
-        return self.path / f"first-token-{self._digest()[:16]}.i64"
+        return first_table_path(self.path, self._digest())
 
     def _pair_bits_path(self) -> Path:
         return pair_bits_path(self.path, self._digest(), self._pairs_log2)
@@ -255,7 +164,7 @@ class TokenDatastore(StoreBase):
         if tokens is None:
             return
         bits = PairBits.of_stream(tokens, self._pairs_log2)
-        _save_beside(self._pair_bits_path(), bytes(bits.bits))
+        save_beside(self._pair_bits_path(), bytes(bits.bits))
         self._pairs = bits
 
     def pair_bits(self, wait: bool = True) -> bool:
@@ -266,46 +175,18 @@ class TokenDatastore(StoreBase):
         return self._pairs is not None
 
     def _read_first_table(self) -> array.array | None:
-        """The saved table if it is there and fits this store (sizes, order, a few blocks checked), else None."""
-        try:
-            raw = self._first_table_path().read_bytes()
-        except OSError:
-            return None
-        if len(raw) < 16 or len(raw) % 8:
-            return None
-        first = np.frombuffer(raw, dtype="<i8")
-        if first[0] != 0 or first[-1] > self.n_tokens or bool((np.diff(first) < 0).any()):
-            return None
-        filled = np.flatnonzero(np.diff(first))  # spot checks: a block's edges hold its token
-        for t in filled[:: max(1, filled.size // 16)].tolist():
-            if not (self._tokens[self._sa[first[t]]] == t and self._tokens[self._sa[first[t + 1] - 1]] == t):
-                return None
-        return array.array("q", raw) if array.array("q").itemsize == 8 else None
+        return read_first_table(self._first_table_path(), self._tokens, self._sa, self.n_tokens)
 
     def _make_first_table(self) -> None:
-        """Count every token id (chunk by chunk, the separators left out), keep the running sums as the table,
-        then save it beside the store (best effort: a read-only store computes it again next time)."""
-        tokens = self._tokens
-        if tokens is None:
+        """Count the stream's token ids into the table, then save it beside the store (best effort: a read-only
+        store computes it again next time)."""
+        if self._tokens is None:
             return
-        counts = np.zeros(0, dtype=np.int64)
-        chunk = 1 << 24
-        for a in range(0, tokens.size, chunk):
-            part = tokens[a:a + chunk]
-            part = part[part != SEP]
-            if part.size:
-                if int(part.max()) >= FIRST_TOKEN_MAX_ID:
-                    return  # ids no vocabulary has: search every rank
-                got = np.bincount(part)
-                if got.size > counts.size:
-                    got[:counts.size] += counts
-                    counts = got
-                else:
-                    counts[:got.size] += got
-        first = np.zeros(counts.size + 1, dtype="<i8")
-        np.cumsum(counts, out=first[1:])
+        first = count_first_table(self._tokens)
+        if first is None:
+            return
         table = array.array("q", first.tobytes())
-        _save_beside(self._first_table_path(), first.tobytes())
+        save_beside(self._first_table_path(), first.tobytes())
         self._first = table
 
     def first_token_table(self, wait: bool = True) -> bool:
@@ -330,26 +211,7 @@ class TokenDatastore(StoreBase):
 
     def describe(self) -> str:
         """Multi-line human summary (what `python -m rest_core datastore info` prints)."""
-        m, b = self.meta, self.meta["build"]
-        tok = m["tokenizer"]
-        sizes = {k: v["size"] for k, v in m["files"].items()}
-        total = sum(sizes.values())
-        lines = [f"datastore  {self.path}",
-                 f"tokenizer  {tok.get('name')}  (vocab {tok.get('vocab_size')}, "
-                 f"fingerprint {str(tok.get('fingerprint'))[:16]})",
-                 f"tokens     {self.n_tokens:,} in {self.n_docs:,} documents"
-                 + ("  (cut at --max-tokens)" if b.get("truncated") else ""),
-                 f"built      {m['built_at']}"]
-        for s in m["sources"]:
-            counts = ", ".join(f"{k} {v:,}" for k, v in s.get("counts", {}).items())
-            lines.append(f"source     {s.get('kind')}: {', '.join(map(str, s.get('paths', []))) or '-'}  [{counts}]")
-        if "tokenize_s" in b:
-            lines.append(f"tokenize   {b['tokenize_s']:.1f} s  ({b.get('tokenize_tokens_per_s', 0):,.0f} tokens/s)")
-            rate = b.get("suffix_array_tokens_per_s", 0)
-            lines.append(f"suffix arr {b['suffix_array_s']:.1f} s  ({rate:,.0f} tokens/s)")
-        lines.append("files      " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items())
-                     + f"  = {total / self.n_tokens:.2f} bytes/token")
-        return "\n".join(lines)
+        return describe_store(self.path, self.meta)
 
     def mapped_bytes(self) -> int:
         """Bytes of the files this store maps (what `warm` touches)."""
@@ -497,6 +359,9 @@ class TokenDatastore(StoreBase):
             b += take_r - ((b - inner[1]) - self._dead(inner[1], b))
         return np.concatenate([self._live_ranks(a, inner[0]), got, self._live_ranks(inner[1], b)])
 
+    def use_native(self, policy: NativePolicy) -> None:
+        self.native, self._native = policy, None  # the library asked again at the next lookup
+
     def _native_lookup(self, ext: list[int], n_max: int, n_min: int, max_matches: int,
                        continuation_len: int) -> Lookup | None:
         """`lookup` in one call of `static_lookup.cpp` (the same rows in the same order), or None where that
@@ -504,7 +369,7 @@ class TokenDatastore(StoreBase):
         answers)."""
         native = self._native
         if native is None:
-            lib = static_lookup_library()
+            lib = self.native.library(static_lookup_library)
             if lib is None or self._tokens is None:
                 self._native = False
                 return None
@@ -520,7 +385,7 @@ class TokenDatastore(StoreBase):
         info = (ctypes.c_int64 * 2)()
         k = lib.rest_lab_static_lookup(tokens, self.n_tokens, sa, ends, self._ends.size, self._sa_item, first_at,
                                        first_len, (ctypes.c_int64 * len(ext))(*ext), len(ext), n_max, n_min,
-                                       max_matches, continuation_len, rows.ctypes.data, info)
+                                       max_matches, continuation_len, rows.ctypes.data, rows.size, info, len(info))
         if k < 0:
             return None
         if info[0] == 0:

@@ -187,14 +187,16 @@ extern "C" {
 
 // tokens (n,) the stream; sa (n,) and ends (n_ends,) of index_bytes (4 or 8) each; first (n_first,) the
 // first-token table or null; ext (n_ext,) the context's newest tokens, oldest first, each in [0, 2^32 - 1).
-// Writes up to max_matches rows of `length` int64 into rows (-1 after a row's cut) and info[0] the matched
-// length, info[1] the occurrences with a continuation; returns the number of rows, or -1 for input it does not
-// take.
+// Writes up to max_matches rows of `length` int64 into rows (room for rows_room values; -1 after a row's cut) and
+// info[0] the matched length, info[1] the occurrences with a continuation (room for info_room values); returns the
+// number of rows, or -1 for input it does not take (buffers too small for the shapes asked included: nothing is
+// written then).
 int64_t rest_lab_static_lookup(const uint32_t* tokens, int64_t n, const void* sa, const void* ends, int64_t n_ends,
                                int index_bytes, const int64_t* first, int64_t n_first, const int64_t* ext,
                                int64_t n_ext, int64_t n_max, int64_t n_min, int64_t max_matches, int64_t length,
-                               int64_t* rows, int64_t* info) {
+                               int64_t* rows, int64_t rows_room, int64_t* info, int64_t info_room) {
     if (n < 1 || n_ext < 0 || n_min < 1 || n_max < n_min || max_matches < 1 || length < 1) return -1;
+    if (info_room < 2 || rows_room < 0 || max_matches > rows_room / length) return -1;
     if (index_bytes == 4) {
         const Store<uint32_t> s{tokens, n, static_cast<const uint32_t*>(sa), static_cast<const uint32_t*>(ends),
                                 n_ends};

@@ -21,18 +21,16 @@ keeps torch's attention everywhere; `AttentionChoice.enabled` switches it off fo
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datastores.common import cache_dir, write_atomic
+from rest_base.calibration import CalibrationFile
 from rest_core import native
 from rest_core.kernels import ROWS, Progress, Report, kernels_mode, row_neighbours, row_ranges
 from rest_core.machine import machine_key
@@ -114,17 +112,20 @@ def tune_attention(model: nn.Module, cache: bool = True, report: Optional[Report
     probe = torch.zeros(1, heads, 1, size), torch.zeros(1, kv_heads, 2, size)
     if native.attention(probe[0], probe[1], probe[1], None, 1.0) is None:
         return None  # a head shape the kernel has no layout for (see attention.cpp): SDPA throughout
-    path = cache_dir() / "kernels" / f"attention-{shape[0]}x{shape[1]}x{shape[2]}-{machine_key()}.json"
-    choice = _read(path, shape) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
+    calibration = CalibrationFile("kernels", f"attention-{heads}x{kv_heads}x{size}", machine_key(), VERSION,
+                                  {"native": native.source_tag(native.ATTENTION_SOURCE), "shape": list(shape),
+                                   "rows": list(ROWS)})
+    choice = _read(calibration, shape) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
     if choice is None:
         if report is not None:
             report(f"timing the attention kernels for heads {heads}x{kv_heads}x{size} at {len(ROWS)} row counts and "
                    f"{len(LENGTHS)} cache lengths on this machine (once per machine)")
         choice = measure(shape, progress=progress)
         if cache:
-            _write(path, choice)
+            _write(calibration, choice)
         if report is not None:
-            report(f"attention kernels measured in {choice.measured_s:.0f} s" + (f", kept in {path}" if cache else ""))
+            report(f"attention kernels measured in {choice.measured_s:.0f} s"
+                   + (f", kept in {calibration.path}" if cache else ""))
     _choices[shape] = choice
     return choice
 
@@ -189,29 +190,23 @@ def _native_rows(timings: dict[int, dict[int, dict[str, float]]]) -> dict[int, f
     return out
 
 
-def _write(path: Path, choice: AttentionChoice) -> None:
-    data = {"version": VERSION, "native": native.source_tag(native.ATTENTION_SOURCE), "shape": list(choice.shape),
-            "rows": list(ROWS), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "measured_s": round(choice.measured_s, 3),
-            "timings_ms": {str(n): {str(r): {k: round(ms, 5) for k, ms in t.items()} for r, t in table.items()}
-                           for n, table in choice.timings_ms.items()}}
-    try:
-        write_atomic(path, json.dumps(data).encode("utf-8"))
-    except OSError:  # a cache that cannot be written is skipped: the choice holds for this process
-        pass
+def _write(calibration: CalibrationFile, choice: AttentionChoice) -> None:
+    calibration.write({"measured_s": round(choice.measured_s, 3),
+                       "timings_ms": {str(n): {str(r): {k: round(ms, 5) for k, ms in t.items()}
+                                               for r, t in table.items()}
+                                      for n, table in choice.timings_ms.items()}})
 
 
-def _read(path: Path, shape: HeadShape) -> Optional[AttentionChoice]:
+def _read(calibration: CalibrationFile, shape: HeadShape) -> Optional[AttentionChoice]:
+    data = calibration.read()
+    if data is None:
+        return None
     try:
-        data = json.loads(path.read_text())
-        if (data.get("version") != VERSION or data.get("native") != native.source_tag(native.ATTENTION_SOURCE)
-                or data.get("shape") != list(shape) or data.get("rows") != list(ROWS)):
-            return None
         timings = {int(n): {int(r): {k: float(t[k]) for k in KERNELS} for r, t in table.items()}
                    for n, table in data["timings_ms"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if not timings or any(set(t) != set(ROWS) for t in timings.values()):
         return None
-    return AttentionChoice(shape, timings, _native_rows(timings), source=str(path))
+    return AttentionChoice(shape, timings, _native_rows(timings), source=str(calibration.path))
 

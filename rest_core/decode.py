@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ DEFAULT_BUDGET = 16  # draft nodes per step when no cost model decides
 # when decoding must stop here, or None to go on
 StopCheck = Callable[[Sequence[int], int], Optional[int]]
 TOP_K = 5  # the model's likeliest next tokens kept per node in a trace
+T = TypeVar("T")  # what a step generator yields
+R = TypeVar("R")  # what it returns
 
 
 @dataclass(frozen=True)
@@ -153,17 +155,20 @@ def _cut(tokens: list[int], room: int, eos: set[int], stop_at_eos: bool) -> tupl
     return tokens, None
 
 
+def run_through(steps: Generator[T, None, R], each: Callable[[T], None]) -> R:
+    """Run a decode's step generator to its end, handing every item it yields to `each`; its return value."""
+    while True:
+        try:
+            item = next(steps)
+        except StopIteration as done:
+            return done.value
+        each(item)
+
+
 def plain_generate(lm: LoadedModel, prompt: Sequence[int], cfg: DecodeConfig = DecodeConfig(),
                    on_token: Optional[Callable[[int], None]] = None) -> DecodeResult:
     """Plain autoregressive decoding: one forward pass per token, same sampling as REST."""
-    steps = plain_steps(lm, prompt, cfg)
-    while True:
-        try:
-            token = next(steps)
-        except StopIteration as done:
-            return done.value
-        if on_token is not None:
-            on_token(token)
+    return run_through(plain_steps(lm, prompt, cfg), on_token if on_token is not None else lambda token: None)
 
 
 @torch.inference_mode()
@@ -363,12 +368,7 @@ class RestDecoder:
         and returns how many of those to keep when decoding must stop there (None: go on)."""
         steps = self._run(prompt, cfg, want_trace=hook is not None, update_history=update_history,
                           stop_check=stop_check)
-        while True:
-            try:
-                trace = next(steps)
-            except StopIteration as done:
-                return done.value
-            hook(trace)
+        return run_through(steps, hook)
 
     def stream(self, prompt: Sequence[int], cfg: DecodeConfig = DecodeConfig(),
                update_history: bool = True) -> Iterator[StepTrace]:

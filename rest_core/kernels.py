@@ -41,14 +41,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from datastores.common import cache_dir, safe_file_name, write_atomic
+from rest_base.calibration import CalibrationFile
 from rest_core import native
 from rest_core.machine import machine_key
 
@@ -358,8 +357,8 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True, report: Option
     if not layers:
         return None
     shapes = {layer.shape for layer in layers}
-    path = _cache_path(name)
-    choice = _read_cache(path, shapes) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
+    calibration = _calibration_file(name)
+    choice = _read_cache(calibration, shapes) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
     if choice is not None and not _fits_here(choice, shapes):
         choice = None  # timed where other kernels could run than here: measured again
     if choice is None:
@@ -369,9 +368,10 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True, report: Option
         choice = _measure(layers, progress=progress)
         kept = cache and not native.switched_off()  # a run with the native code switched off keeps its choice
         if kept:
-            _write_cache(path, choice)
+            _write_cache(calibration, choice)
         if report is not None:
-            report(f"linear kernels measured in {choice.measured_s:.0f} s" + (f", kept in {path}" if kept else ""))
+            report(f"linear kernels measured in {choice.measured_s:.0f} s"
+                   + (f", kept in {calibration.path}" if kept else ""))
     packed = {shape for shape in shapes if choice.uses(shape, "packed")}
     panels = {shape for shape in shapes if any(choice.uses(shape, k) for k in BLOCKED_KINDS)}
     for layer in layers:  # keep the packed copies only where they are used
@@ -417,34 +417,33 @@ def _measure(layers: list[TunedLinear], progress: Optional[Progress] = None) -> 
     return choice
 
 
-def _cache_path(name: str) -> Path:
-    return cache_dir() / "kernels" / f"{safe_file_name(name)}-cpu-float32-{machine_key()}.json"
+def _calibration_file(name: str) -> CalibrationFile:
+    """Where the choice for this model on this machine is kept, and what it must have been timed with: these row
+    counts, these kernels, this version of the blocked kernel's source."""
+    return CalibrationFile("kernels", f"{name}-cpu-float32", machine_key(), VERSION,
+                           {"rows": list(ROWS), "kernels": list(KERNELS), "native": native.source_tag()})
 
 
-def _write_cache(path: Path, choice: KernelChoice) -> None:
-    data = {"version": VERSION, "rows": list(ROWS), "kernels": list(KERNELS), "native": native.source_tag(),
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "measured_s": round(choice.measured_s, 3),
-            "shapes": {f"{o}x{i}": {str(r): {k: round(ms, 5) for k, ms in t.items()} for r, t in table.items()}
-                       for (o, i), table in choice.timings_ms.items()}}
+def _write_cache(calibration: CalibrationFile, choice: KernelChoice) -> None:
+    calibration.write({"measured_s": round(choice.measured_s, 3),
+                       "shapes": {f"{o}x{i}": {str(r): {k: round(ms, 5) for k, ms in t.items()}
+                                               for r, t in table.items()}
+                                  for (o, i), table in choice.timings_ms.items()}})
+
+
+def _read_cache(calibration: CalibrationFile, shapes: set[Shape]) -> Optional[KernelChoice]:
+    """The choice stored for this model and machine key; None when missing, unreadable, timed with other kernels or
+    for other shapes."""
+    data = calibration.read()
+    if data is None:
+        return None
     try:
-        write_atomic(path, json.dumps(data).encode("utf-8"))
-    except OSError:  # a cache that cannot be written is skipped: the choice holds for this process
-        pass
-
-
-def _read_cache(path: Path, shapes: set[Shape]) -> Optional[KernelChoice]:
-    """The choice stored for this model and machine key; None when missing, unreadable or for other shapes."""
-    try:
-        data = json.loads(path.read_text())
-        if (data.get("version") != VERSION or data.get("rows") != list(ROWS) or data.get("kernels") != list(KERNELS)
-                or data.get("native") != native.source_tag()):  # timed with another version of the blocked kernel
-            return None
-        choice = KernelChoice(source=str(path))
+        choice = KernelChoice(source=str(calibration.path))
         for text, table in data["shapes"].items():
             o, i = (int(v) for v in text.split("x"))
             choice.timings_ms[(o, i)] = {int(r): {k: float(t[k]) for k in KERNELS} for r, t in table.items()}
             choice.kernel[(o, i)] = {r: fastest(t, r) for r, t in choice.timings_ms[(o, i)].items()}
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
     if set(choice.kernel) != shapes or any(set(t) != set(ROWS) for t in choice.kernel.values()):
         return None

@@ -34,7 +34,7 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from datastores import cache_dir
+from rest_base.files import cache_dir
 from rest_core import attention, native
 from rest_core.attention import AttentionChoice, tune_attention
 from rest_core.kernels import KernelChoice, tune_linears

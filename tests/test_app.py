@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import plotly.graph_objects as go
 import pytest
 
-from datastores import DatastoreError, RecycleStore, cache_dir
+from datastores import DatastoreError, RecycleStore
+from rest_base.files import cache_dir
 from rest_core import app as sup
 from rest_core.app import engine as engine_module
 from rest_core.traces import figures

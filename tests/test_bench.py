@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rest_core.cost
+import rest_core.cost_curve
 from datastores import TokenDatastore, build_datastore, build_from_token_documents, iter_documents
 from rest_core.bench import (
     GREEDY_METHODS,
@@ -73,8 +74,8 @@ def _steady_curve(monkeypatch):
     make every draft look too dear, and the tests of what the benchmark counts about drafts would find none
     (a full-suite run once found rest_static with no draft at all).  What these tests check is the
     benchmark's accounting, not this curve; tests/test_cost.py checks the measurement."""
-    monkeypatch.setattr(rest_core.cost, "measure_forward_curve",
-                        lambda lm, prefix_len=256, repeats=5, grid=rest_core.cost.GRID:
+    monkeypatch.setattr(rest_core.cost_curve, "measure_forward_curve",
+                        lambda lm, prefix_len=256, repeats=5, grid=rest_core.cost_curve.GRID:
                         np.array([1.0 + 0.05 * (q - 1) for q in grid]))
 
 
@@ -434,8 +435,8 @@ def test_recording_overhead_is_measured_against_the_same_method_untraced(lm, sto
 def test_one_bench_run_measures_the_forward_curve_once(lm, store, monkeypatch):
     """Each REST method's cost model used to re-measure the curve and overwrite the one calibration file."""
     measured, saved = [], []
-    measure, save = rest_core.cost.measure_forward_curve, rest_core.cost.CostModel.save_stats
-    monkeypatch.setattr(rest_core.cost, "measure_forward_curve",
+    measure, save = rest_core.cost_curve.measure_forward_curve, rest_core.cost.CostModel.save_stats
+    monkeypatch.setattr(rest_core.cost_curve, "measure_forward_curve",
                         lambda *a, **kw: measured.append(1) or measure(*a, **kw))
     monkeypatch.setattr(rest_core.cost.CostModel, "save_stats", lambda self: saved.append(self) or save(self))
     res = run_benchmark(lm, _prompts(), DecodeConfig(max_new_tokens=6), ["plain", "rest_static", "rest_full"], store,

@@ -7,9 +7,12 @@ import numpy as np
 import pytest
 
 import rest_core.cost as cost
+import rest_core.cost_curve as cost_curve
+import rest_core.cost_stats as cost_stats
 import rest_core.machine as machine
 from datastores import assemble_stores
-from rest_core.cost import GRID, CostModel, monotone_fit
+from rest_core.cost import GRID, CostModel
+from rest_core.cost_curve import monotone_fit
 from rest_core.decode import DecodeConfig, RestDecoder
 from rest_core.tree import build_draft_tree
 
@@ -70,22 +73,22 @@ def test_cached_calibration_is_reused_only_while_it_still_holds(tiny_lm, tmp_pat
         calls.append(grid)
         return np.array([fake_measure.one_ms + fake_measure.per_token * (q - 1) for q in grid], dtype=float)
 
-    monkeypatch.setattr(cost, "measure_forward_curve", fake_measure)
+    monkeypatch.setattr(cost_curve, "measure_forward_curve", fake_measure)
     fake_measure.one_ms, fake_measure.per_token = 50.0, 4.0  # 8 tokens: 78 ms, 1.56x
     first = CostModel.for_model(tiny_lm)
     assert calls == [GRID] and first.forward_ms(1) == 50.0
-    cost._CURVES.clear()  # a new process: only the file is left
+    cost_curve._CURVES.clear()  # a new process: only the file is left
     fake_measure.one_ms, fake_measure.per_token = 55.0, 4.6  # 10% slower all over: the same shape
     second = CostModel.for_model(tiny_lm)  # probe agrees: cached curve kept
-    assert calls[-1] == cost.PROBE and second.forward_ms(1) == 50.0 and second.forward_ms(8) == 78.0
+    assert calls[-1] == cost_curve.PROBE and second.forward_ms(1) == 50.0 and second.forward_ms(8) == 78.0
     fake_measure.one_ms, fake_measure.per_token = 50.0, 2.0  # one token as before, 8 tokens 1.28x: another shape
-    cost._CURVES.clear()
+    cost_curve._CURVES.clear()
     third = CostModel.for_model(tiny_lm)
-    assert calls[-2:] == [cost.PROBE, GRID] and third.relative_cost(8) == 64.0 / 50.0
+    assert calls[-2:] == [cost_curve.PROBE, GRID] and third.relative_cost(8) == 64.0 / 50.0
     fake_measure.one_ms, fake_measure.per_token = 200.0, 8.0  # the machine got slower: measure again
-    cost._CURVES.clear()
+    cost_curve._CURVES.clear()
     fourth = CostModel.for_model(tiny_lm)
-    assert calls[-2:] == [cost.PROBE, GRID] and fourth.forward_ms(1) == 200.0
+    assert calls[-2:] == [cost_curve.PROBE, GRID] and fourth.forward_ms(1) == 200.0
     saved = json.loads(next((tmp_path / "cost").glob("*.json")).read_text())
     assert saved["times_ms"][0] == 200.0
 
@@ -119,14 +122,14 @@ def test_monotone_fit_averages_a_spike_instead_of_lifting_everything_after_it():
 
 def test_curve_is_measured_once_per_process_and_stats_are_kept_per_store(tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
-    cost._CURVES.clear()
+    cost_curve._CURVES.clear()
     calls = []
 
     def fake_measure(lm, prefix_len=96, repeats=3, grid=GRID):
         calls.append(grid)
         return np.array([50.0 + q for q in grid], dtype=float)
 
-    monkeypatch.setattr(cost, "measure_forward_curve", fake_measure)
+    monkeypatch.setattr(cost_curve, "measure_forward_curve", fake_measure)
     static_only = [OracleLookup("static", 0, 0, None)]
     static_only[0].label = "static:/a"
     with_request = static_only + [OracleLookup("request", 0, 0, None)]
@@ -148,7 +151,7 @@ def test_curve_is_measured_once_per_process_and_stats_are_kept_per_store(tiny_lm
     assert set(c.counts) == {"static"} and c.counts["static"][0].sum() == 1  # only the first node was tested
     assert CostModel.for_model(tiny_lm, other_static).counts == {}
     assert calls == [GRID]
-    cost._CURVES.clear()
+    cost_curve._CURVES.clear()
 
 
 def test_a_node_counts_only_when_its_parent_was_accepted_and_chances_multiply_along_a_path():
@@ -181,7 +184,7 @@ def test_a_lone_match_is_trusted_less_than_many_agreeing_ones_once_learned():
 def test_unreadable_acceptance_stats_are_ignored(tmp_path):
     path = tmp_path / "acc.json"
     for text in ("{not json", '{"bins": "x", "stores": []}', json.dumps({
-            "version": cost.STATS_VERSION, "shape": list(cost.SHAPE), "bins": cost.BINS.tolist(),
+            "version": cost_stats.STATS_VERSION, "shape": list(cost.SHAPE), "bins": cost.BINS.tolist(),
             "stores": {"static": [[1, 2]]}})):
         path.write_text(text)
         model = CostModel(times_ms=curve(50.0, 4.0), stats_path=path)
@@ -190,21 +193,21 @@ def test_unreadable_acceptance_stats_are_ignored(tmp_path):
 
 
 def test_the_calibration_is_kept_per_machine(tiny_lm, monkeypatch):
-    here = cost._calibration_path(tiny_lm)
+    here = cost_curve.calibration_file(tiny_lm).path
     monkeypatch.setattr(machine.torch, "__version__", "0.0.0-other")
-    assert cost._calibration_path(tiny_lm) != here  # another torch: measured again
+    assert cost_curve.calibration_file(tiny_lm).path != here  # another torch: measured again
     monkeypatch.undo()
     info = {"cpu": "Test CPU", "cpu_vendor": "NoSuchVendor", "cpu_family": "0/0", "cpu_features": [],
             "cpu_capability": "DEFAULT"}  # no real machine reports this one, so it is not the machine running the test
     monkeypatch.setattr(machine, "cpu_info", lambda: info)
-    assert cost._calibration_path(tiny_lm) != here  # another CPU or instruction set: measured again
+    assert cost_curve.calibration_file(tiny_lm).path != here  # another CPU or instruction set: measured again
     info.update(cpu="AMD EPYC", cpu_vendor="AuthenticAMD", cpu_family="25/1", cpu_features=["avx2"],
                 cpu_capability="AVX2")
-    zen3 = cost._calibration_path(tiny_lm)
+    zen3 = cost_curve.calibration_file(tiny_lm).path
     info.update(cpu_family="26/2", cpu_features=["avx2", "avx512f", "avx512_bf16"], cpu_capability="AVX512")
-    assert cost._calibration_path(tiny_lm) != zen3  # the same name, another generation: measured again
+    assert cost_curve.calibration_file(tiny_lm).path != zen3  # the same name, another generation: measured again
     info.update(cpu_capability="AVX2")
-    assert cost._calibration_path(tiny_lm) != zen3  # the family and features alone tell it apart
+    assert cost_curve.calibration_file(tiny_lm).path != zen3  # the family and features alone tell it apart
 
 
 def test_a_real_pass_caps_every_smaller_size_so_a_spoiled_calibration_recovers():
@@ -220,7 +223,7 @@ def test_a_real_pass_caps_every_smaller_size_so_a_spoiled_calibration_recovers()
     for _ in range(5):
         model.observe(tree, [0], forward_ms=120.0)  # the real cost of that big pass, nothing accepted
     assert model.choose(tree) == tree.draft_size  # one size alone: a slower pass or a slower machine?
-    for _ in range(cost.MIN_REFERENCE + cost.MIN_PASSES):  # one-token steps between them tell the two apart
+    for _ in range(cost_curve.MIN_REFERENCE + cost_curve.MIN_PASSES):  # one-token steps between them tell the two apart
         model.observe(plain, [0], forward_ms=40.0)
         model.observe(tree, [0], forward_ms=120.0)
     i = GRID.index(q)
@@ -246,19 +249,19 @@ def test_a_burst_of_load_on_big_trees_does_not_stay_on_the_curve():
 
     big_and_plain(58.0, 30)  # learned: the chain is always accepted whole, at the curve's cost
     assert model.choose(big) == 8
-    big_and_plain(400.0, cost.MIN_PASSES)  # a burst of load on the big passes
+    big_and_plain(400.0, cost_curve.MIN_PASSES)  # a burst of load on the big passes
     assert model.relative_cost(64) >= 7.0 and model.choose(big) < 8  # dear from 8 tokens up
-    big_and_plain(58.0, cost.MIN_PASSES)  # the big tree at its real cost again
+    big_and_plain(58.0, cost_curve.MIN_PASSES)  # the big tree at its real cost again
     assert model.choose(big) == 8
     assert np.allclose(model.times_ms[GRID.index(16):], calibrated[GRID.index(16):], rtol=0.02)  # never run
 
-    big_and_plain(400.0, cost.MIN_PASSES)  # another burst; then only small trees run
+    big_and_plain(400.0, cost_curve.MIN_PASSES)  # another burst; then only small trees run
     assert model.choose(big) < 8
     steps = 0
-    while model.choose(big) < 8 and steps <= cost.STALE_STEPS:
+    while model.choose(big) < 8 and steps <= cost_curve.STALE_STEPS:
         model.observe(small, [0, 1], forward_ms=51.0)
         steps += 1
-    assert steps == cost.STALE_STEPS  # the burst's sizes went stale STALE_STEPS steps after their last pass
+    assert steps == cost_curve.STALE_STEPS  # the burst's sizes went stale STALE_STEPS steps after their last pass
     shape = model.times_ms / model.times_ms[0]
     assert np.allclose(shape[GRID.index(8):], (calibrated / calibrated[0])[GRID.index(8):], rtol=0.02)
     assert model.forward_ms(3) == pytest.approx(51.0)  # what does run keeps its measured time
@@ -286,7 +289,7 @@ def test_the_curve_is_measured_in_interleaved_rounds_keeping_each_sizes_fastest_
     real = tiny_lm.forward
     monkeypatch.setattr(tiny_lm, "forward", lambda cache, **kw: seen.append(kw["input_ids"].shape[1])
                         or real(cache, **kw))
-    times = cost.measure_forward_curve(tiny_lm, prefix_len=8, repeats=2, grid=(1, 2, 4))
+    times = cost_curve.measure_forward_curve(tiny_lm, prefix_len=8, repeats=2, grid=(1, 2, 4))
     assert seen == [8] + [1, 2, 4] * 3  # the prefix, then a warm-up round and two timed rounds over every size
     assert times.shape == (3,) and np.all(np.diff(times) >= 0) and times[0] > 0
 
@@ -310,8 +313,8 @@ def test_acceptance_is_kept_per_kind_of_text(tiny_lm, tmp_path, monkeypatch):
     """What a store's drafts earned on one kind of prompt (code completion) does not set how much it drafts on
     another (chat): the counts are saved and read back per kind; a caller that does not tell keeps its own."""
     monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
-    cost._CURVES.clear()
-    monkeypatch.setattr(cost, "measure_forward_curve",
+    cost_curve._CURVES.clear()
+    monkeypatch.setattr(cost_curve, "measure_forward_curve",
                         lambda lm, prefix_len=96, repeats=3, grid=GRID: np.array([50.0 + q for q in grid], dtype=float))
     stores = [OracleLookup("static", 0, 0, None)]
     stores[0].label = "static:/a"
@@ -334,7 +337,7 @@ def test_acceptance_is_kept_per_kind_of_text(tiny_lm, tmp_path, monkeypatch):
     assert CostModel.for_model(tiny_lm, stores, kind="chat").counts["static"][1].sum() == 0
     assert CostModel.for_model(tiny_lm, stores).counts == {}  # untold: neither kind's
     assert set(json.loads(text.stats_path.read_text())["stores"]) == {"static:/a [text]", "static:/a [chat]"}
-    cost._CURVES.clear()
+    cost_curve._CURVES.clear()
 
 
 def test_real_passes_off_the_grid_refresh_the_sizes_around_them():
@@ -351,7 +354,7 @@ def test_real_passes_off_the_grid_refresh_the_sizes_around_them():
     for _ in range(4):
         model.observe(tree, [0], forward_ms=87.0)
     assert model.relative_cost(q) == pytest.approx(before)  # one size alone: slower pass or slower machine?
-    for _ in range(cost.MIN_REFERENCE + cost.MIN_PASSES):  # one-token passes between them tell the two apart
+    for _ in range(cost_curve.MIN_REFERENCE + cost_curve.MIN_PASSES):  # one-token passes between them tell
         model.observe(plain, [0], forward_ms=50.0)
         model.observe(tree, [0], forward_ms=87.0)
     assert model.relative_cost(q) == pytest.approx(87.0 / 50.0, rel=0.03)  # what the real passes cost
@@ -497,7 +500,7 @@ def test_a_few_nodes_learn_in_python_numbers_exactly_as_the_array_path(monkeypat
             for name in ("static", "request", "model", "answers"):
                 c = m._counts(name)
                 c[...] = np.round(r.random(cost.SHAPE) * 30, 3)
-                c[0] += np.where(r.random(cost.SHAPE[1:]) < 0.1, cost.MAX_COUNT - 0.5, 0.0)
+                c[0] += np.where(r.random(cost.SHAPE[1:]) < 0.1, cost_stats.MAX_COUNT - 0.5, 0.0)
                 c[1] = np.minimum(c[1], c[0])
             m._request = {"request": (1.5, 2.25)}
             models.append(m)

@@ -28,7 +28,9 @@ from datastores import (
     tokenizer_fingerprint,
 )
 from datastores.native import request_scan_library
-from datastores.static import LEFT_CONTEXT_TOKENS, SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS
+from datastores.static import LEFT_CONTEXT_TOKENS
+from datastores.store_format import SAMPLE_BLOCK_BYTES, SAMPLE_BLOCKS
+from rest_base.native_policy import NATIVE, PYTHON, NativePolicy
 from rest_core.datastore_cli import main
 
 FAST = settings(max_examples=int(os.environ.get("DATASTORES_EXAMPLES", "150")), deadline=None,
@@ -319,7 +321,7 @@ def test_a_step_of_bad_ids_is_refused_and_changes_nothing():
        use_own_tokens=st.booleans(), native=st.booleans())
 def test_request_store_equals_brute_force(chunks, ctx, n_max, max_matches, L, use_own_tokens, native):
     """Both ways of answering (one native scan of the stream; the hashed n-gram index) match a brute-force scan."""
-    store = RequestStore(chunks[0], n_max=8, n_min=2, native=native)
+    store = RequestStore(chunks[0], n_max=8, n_min=2, native=NativePolicy(native))
     if native and request_scan_library() is not None:
         assert store._index.scan is not None and not store._index.postings[2].tail_len  # nothing hashed
     for c in chunks[1:]:
@@ -341,7 +343,7 @@ def test_request_store_equals_brute_force(chunks, ctx, n_max, max_matches, L, us
        max_matches=st.integers(1, 6), L=st.integers(1, 5), native=st.booleans())
 def test_history_store_equals_brute_force(answers, ctx, n_max, n_min, max_tokens, max_matches, L, native):
     n_min = min(n_min, n_max)
-    store = HistoryStore(n_max=8, n_min=2, max_tokens=max_tokens, native=native)
+    store = HistoryStore(n_max=8, n_min=2, max_tokens=max_tokens, native=NativePolicy(native))
     kept: list[list[int]] = []
     for a in answers:
         store.add(a)
@@ -368,7 +370,7 @@ def test_short_appends_hashed_in_python_index_the_same_n_grams_as_numpy(monkeypa
         cuts.append(cuts[-1] + int(rng.integers(1, 10)))  # 1-9 tokens: both sides of SMALL_APPEND
 
     def build():
-        request = RequestStore(stream[:3], n_max=16, n_min=2, native=False)  # the hashed index
+        request = RequestStore(stream[:3], n_max=16, n_min=2, native=PYTHON)  # the hashed index
         for a, b in zip(cuts, cuts[1:]):
             request.extend(stream[a:b].tolist())  # a list of ints, as the decoder hands over
         history = HistoryStore(n_max=16, n_min=2)
@@ -396,7 +398,7 @@ def test_short_appends_hashed_in_python_index_the_same_n_grams_as_numpy(monkeypa
 def test_dynamic_stores_scale_past_the_merge_threshold(native):
     rng = np.random.default_rng(0)
     stream = rng.integers(0, 50, size=40_000)
-    store = RequestStore(stream[:100], native=native)
+    store = RequestStore(stream[:100], native=NativePolicy(native))
     for k in range(100, stream.size, 997):
         store.extend(stream[k:k + 997])
     for ctx in (stream[-5:].tolist(), stream[-5:].tolist() + [7, 7]):
@@ -405,7 +407,7 @@ def test_dynamic_stores_scale_past_the_merge_threshold(native):
         assert (got.matched_len, got.total_matches) == (n, len(occ))
         assert rows(got.continuations) == [brute_row(stream.tolist(), i, 3) for i in sorted(occ)[::-1][:3]]
     # a history scanned while small, looked up through its hashes once past SCAN_MAX: the same answers as a scan
-    history, docs = HistoryStore(native=native), []
+    history, docs = HistoryStore(native=NativePolicy(native)), []
     for k in range(0, 30_000, 1500):
         history.add(stream[k:k + 1500])
         docs.append(stream[k:k + 1500].tolist())
@@ -662,7 +664,7 @@ def test_the_native_lookup_answers_as_the_python_path(docs, ctx, n_max, n_min, m
             store._first = None
         native = store.lookup(ctx, n_max=n_max, n_min=n_min, max_matches=max_matches, continuation_len=L)
         assert store._native or min(n_max, len(ctx)) < n_min, "the native lookup was taken"
-        store._native = False
+        store.use_native(PYTHON)
         python = store.lookup(ctx, n_max=n_max, n_min=n_min, max_matches=max_matches, continuation_len=L)
         store.close()
     assert (native.source, native.matched_len, native.total_matches) == \
@@ -674,8 +676,8 @@ def test_the_native_lookup_answers_as_the_python_path(docs, ctx, n_max, n_min, m
 def test_the_native_lookup_answers_as_the_python_path_on_the_built_in_store():
     """On the Python store the app drafts from (where it is built), 300 contexts cut from its own stream and 100
     random ones give the same answers both ways, many of them past max_matches (16)."""
-    from datastores.common import cache_dir
     from datastores.native import static_lookup_library
+    from rest_base.files import cache_dir
     if static_lookup_library() is None:
         pytest.skip("no C++ compiler here: the Python path is the only one")
     found = [p for p in sorted((cache_dir() / "stores").glob("python-*")) if (p / "meta.json").exists()]
@@ -692,9 +694,9 @@ def test_the_native_lookup_answers_as_the_python_path_on_the_built_in_store():
     past = 0
     for ctx in contexts:
         native = store.lookup(ctx, n_max=16, n_min=2, max_matches=16, continuation_len=12)
-        store._native, keep = False, store._native
+        store.use_native(PYTHON)
         python = store.lookup(ctx, n_max=16, n_min=2, max_matches=16, continuation_len=12)
-        store._native = keep
+        store.use_native(NATIVE)
         assert (native.matched_len, native.total_matches) == (python.matched_len, python.total_matches), ctx
         assert np.array_equal(native.continuations, python.continuations), ctx
         past += native.total_matches > 16

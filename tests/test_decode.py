@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 import rest_core.verify as verify_mod
 from datastores import HistoryStore, RecycleStore, assemble_stores
+from rest_base.native_policy import PYTHON
 from rest_core.commit import compact_cache
 from rest_core.cost import GRID, CostModel
 from rest_core.decode import DecodeConfig, PromptError, RestDecoder, plain_generate
@@ -467,7 +468,7 @@ def test_the_native_side_by_side_script_puts_every_store_on_its_python_path(tiny
         chooser._refresh_curve = lambda q, ms: None  # the same budgets on both paths, whatever the passes took
         if variant == "python":
             module.python_paths(stores, chooser)
-            assert static._native is False and model.native is False and chooser.native_ranking is False
+            assert static.native == model.native == chooser.native == PYTHON
             request = next(s for s in stores if s.source == "request")
             assert request._scan is None and request._index.hashed and history._index.scan is None
         dec = RestDecoder(tiny_lm, stores=stores, budget_chooser=chooser)

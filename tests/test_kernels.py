@@ -13,8 +13,8 @@ from transformers import DynamicCache
 
 import rest_core.kernels as kernels
 from datastores import assemble_stores
-from datastores.common import cache_dir
-from rest_core import cost, native
+from rest_base.files import cache_dir
+from rest_core import cost_curve, native
 from rest_core.bench import BenchPrompt, run_benchmark
 from rest_core.bench.cli import kernel_variants
 from rest_core.bench.verify_pass import cost_curves, verify_markdown
@@ -233,12 +233,12 @@ def test_calibration_is_kept_per_machine_key_and_measured_again_on_a_new_one(mon
 @pytest.mark.slow
 def test_the_cost_curve_is_calibrated_per_kernel_choice():
     lm, _ = tuned_tiny()
-    tuned_path = cost._calibration_path(lm)
+    tuned_path = cost_curve.calibration_file(lm).path
     lm.kernels.enabled = False
-    default_path = cost._calibration_path(lm)
+    default_path = cost_curve.calibration_file(lm).path
     assert tuned_path != default_path and lm.kernels.key() in tuned_path.name
     lm.kernels = None
-    assert cost._calibration_path(lm) == default_path  # switched off = never tuned: the same curve
+    assert cost_curve.calibration_file(lm).path == default_path  # switched off = never tuned: the same curve
 
 
 @pytest.mark.slow
@@ -319,7 +319,7 @@ def test_without_the_blocked_kernel_the_others_are_still_chosen(monkeypatch, why
               "switched off": "switched off (REST_LAB_NATIVE=0)"}[why]
     assert reason in native.unavailable()
     monkeypatch.setattr(kernels, "machine_key", lambda: f"machine-without-{why.replace(' ', '-')}")
-    path = kernels._cache_path("tiny-random")
+    path = kernels._calibration_file("tiny-random").path
     path.unlink(missing_ok=True)
     choice = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     # a machine that cannot build the kernel keeps its choice; a process with it switched off keeps it to itself
@@ -351,20 +351,21 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     # a cache in which the blocked kernel won everywhere
     choice.timings_ms = {shape: {r: {"default": 10.0, "packed": 10.0, "transposed": 10.0, "blocked": 1.0,
                                      "blocked_tall": 2.0} for r in ROWS} for shape in choice.kernel}
-    kernels._write_cache(kernels._cache_path("tiny-random"), choice)
+    kernels._write_cache(kernels._calibration_file("tiny-random"), choice)
     measured = []
     real = kernels._measure
     monkeypatch.setattr(kernels, "_measure", lambda layers, progress=None: measured.append(1) or real(layers))
     again = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     assert not measured and all(again.plan_of(shape)[1:] == ("blocked",) * MAX_ROWS for shape in again.kernel)
     assert all(layer.panels is not None and layer.packed is None for layer in again.layers)
-    path = kernels._cache_path("tiny-random")
+    calibration = kernels._calibration_file("tiny-random")
+    path = calibration.path
     data = json.loads(path.read_text())
     assert data["native"] == native.source_tag()
     path.write_text(json.dumps({**data, "native": "0123456789"}))  # timed with another version of the kernel
     tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     assert measured == [1]
-    kernels._write_cache(path, choice)
+    kernels._write_cache(calibration, choice)
     monkeypatch.setattr(native, "_lib", None)  # now it cannot be had: a cache that needs it is not trusted
     monkeypatch.setattr(native, "_tried", True)
     redone = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")

@@ -145,3 +145,64 @@ def test_the_draft_tree_and_the_ranking_refuse_output_room_too_small():
 
     assert call(n - 1) == -1 and (out == -9).all()
     assert call(n) == 0 and sorted(out[:n].tolist()) == [1, 2, 3]
+
+
+def test_the_static_lookup_writes_nothing_past_its_rows(tmp_path):
+    from datastores import build_from_token_documents
+    from datastores.native import static_lookup_library
+    lib = _needs(static_lookup_library())
+    store = build_from_token_documents(tmp_path / "s", [[1, 2, 3, 1, 2, 4, 1, 2, 3]], tokenizer_info={"name": "t"})
+    ext = np.array([1, 2], dtype=np.int64)
+    rows = np.full(3 * 4 + 4, -9, dtype=np.int64)
+    info = np.full(2, -9, dtype=np.int64)
+
+    def call(rows_room, info_room):
+        return lib.rest_lab_static_lookup(store._tokens.ctypes.data, store.n_tokens, store._sa.ctypes.data,
+                                          store._ends.ctypes.data, store._ends.size, store._sa_item, None, 0,
+                                          ext.ctypes.data, ext.size, 2, 2, 3, 4, rows.ctypes.data, rows_room,
+                                          info.ctypes.data, info_room)
+    assert call(3 * 4 - 1, 2) == -1 and call(3 * 4, 1) == -1
+    assert (rows == -9).all() and (info == -9).all()
+    assert call(3 * 4, 2) == 3 and info.tolist() == [2, 3] and (rows[3 * 4:] == -9).all()
+
+
+def test_the_request_scan_writes_nothing_past_its_buffers():
+    from datastores.native import request_scan_library
+    lib = _needs(request_scan_library())
+    toks = np.array([5, 6, 7, 5, 6, 8, 5, 6, 9, 5, 6], dtype=np.int64)
+    newest = np.array([6, 5], dtype=np.int64)
+    chosen = np.full(4, -9, dtype=np.int64)
+    info = np.full(2, -9, dtype=np.int64)
+
+    def call(max_matches, room, info_room):
+        return lib.rest_lab_request_scan(toks.ctypes.data, toks.size, 0, newest.ctypes.data, newest.size, 2,
+                                         max_matches, chosen.ctypes.data, room, info.ctypes.data, info_room)
+    assert call(3, 2, 2) == -1 and call(3, 3, 1) == -1
+    assert (chosen == -9).all() and (info == -9).all()
+    assert call(3, 3, 2) == 3 and info.tolist() == [2, 3] and chosen.tolist() == [7, 4, 1, -9]
+
+
+def test_the_model_sources_draft_writes_nothing_past_its_rows_and_reads_no_pair_slot_past_its_table():
+    from datastores import RecycleStore, recycle
+    from datastores.native import recycle_grow_library
+    lib = _needs(recycle_grow_library())
+    store = RecycleStore(vocab_size=8, k=2, branching=(2, 1))
+    store.observe(np.array([1, 2, 3]), np.array([[2, 3], [3, 4], [4, 5]]))
+    depth, max_rows = 3, 6
+    rows = np.full(max_rows * depth + 4, -9, dtype=np.int64)
+    info = np.full(1, -9, dtype=np.int64)
+
+    def call(slots, rows_room, info_room):
+        return lib.rest_lab_recycle_grow(store.table.ctypes.data, 8, 2, store.pair_keys.ctypes.data,
+                                         store.pair_table.ctypes.data, slots, recycle.GOLDEN, recycle._SHIFT,
+                                         store._branching_c, len(store.branching), recycle._PAIR_PRIOR_C,
+                                         len(recycle.PAIR_PRIOR), recycle._TOKEN_PRIOR_C, len(recycle.TOKEN_PRIOR),
+                                         -1, 1, depth, float(store.row_scale), max_rows, rows.ctypes.data, rows_room,
+                                         info.ctypes.data, info_room)
+    slots = len(store.pair_keys)
+    assert call(slots, max_rows * depth - 1, 1) == -1 and call(slots - 1, max_rows * depth, 1) == -1
+    assert call(slots, max_rows * depth, 0) == -1
+    assert (rows == -9).all() and (info == -9).all()
+    assert call(slots, max_rows * depth, 1) > 0 and (rows[max_rows * depth:] == -9).all()
+    store.table = np.zeros((4, 2), dtype=np.int32)  # a table of another shape: the wrapper leaves the library alone
+    assert store._grow_native(-1, 1, depth, max_rows) is None

@@ -156,7 +156,7 @@ def test_wheel_installs_and_its_commands_work(space, tmp_path):
     wheel = next(dist.glob("rest_lab-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     packages = sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("*/**/__init__.py")
-                      if p.parts[len(ROOT.parts)] in ("rest_core", "datastores"))
+                      if p.parts[len(ROOT.parts)] in ("rest_base", "rest_core", "datastores"))
     assert all(f"{pkg}/__init__.py" in names for pkg in packages), sorted(set(packages) - {n.rsplit('/', 1)[0]
                                                                                           for n in names})
     sources = {str(p.relative_to(ROOT)) for p in (*ROOT.glob("rest_core/**/*.cpp"), *ROOT.glob("datastores/*.cpp"))}
@@ -170,8 +170,8 @@ def test_wheel_installs_and_its_commands_work(space, tmp_path):
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    where = run([str(bin_dir / "python"), "-c", "import rest_core, datastores; print(rest_core.__file__)"], 60,
-                cwd=outside, env=env).stdout
+    where = run([str(bin_dir / "python"), "-c", "import rest_base, rest_core, datastores; print(rest_core.__file__)"],
+                60, cwd=outside, env=env).stdout
     assert "site-packages" in where and str(repo) not in where
     assert "usage: rest-lab" in run([str(bin_dir / "rest-lab"), "--help"], 60, cwd=outside, env=env).stdout
     out = run([str(bin_dir / "rest-lab"), "generate", "--prompt", "def add(a, b):", "--max-new-tokens", "12",

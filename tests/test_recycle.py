@@ -6,6 +6,7 @@ import pytest
 
 from datastores import DatastoreError, RecycleStore, open_recycle
 from datastores.recycle import PAIR_PRIOR, PAIR_SLOTS, ROW_SCALE, TOKEN_PRIOR
+from rest_base.native_policy import NATIVE, PYTHON, NativePolicy
 from rest_core.tree import build_draft_tree
 
 
@@ -48,7 +49,8 @@ def test_a_finer_row_scale_drafts_deeper_guesses_and_a_wider_branching_more_chil
     wide = RecycleStore(vocab_size=50, k=4, branching=(1, 4, 4), row_scale=1000)
     wide.table[:] = base.table
     for native in (True, False):
-        base.native = wide.native = native
+        base.use_native(NativePolicy(native))
+        wide.use_native(NativePolicy(native))
         fine = shares_by_path(build_draft_tree(5, [wide.lookup([1, 2, 5], continuation_len=4)], budget=64))
         coarse = shares_by_path(build_draft_tree(5, [base.lookup([1, 2, 5], continuation_len=4)], budget=64))
         assert (7, 8, 30) in fine and (7, 8, 30) not in coarse
@@ -234,7 +236,7 @@ def test_the_native_draft_is_the_python_paths_row_for_row():
         store.observe(tokens, succ, previous=np.where(rng.random(n) < 0.7, rng.integers(0, vocab, size=n), -1))
 
         def python_grow(*args, grow=store._grow, store=store):
-            if store.native:
+            if store.native.on:
                 python_drafts.append(args)
             return grow(*args)
 
@@ -242,10 +244,10 @@ def test_the_native_draft_is_the_python_paths_row_for_row():
         for _ in range(5):
             ctx = rng.integers(0, vocab, size=int(rng.integers(1, 4))).tolist()
             depth, limit = int(rng.integers(1, 25)), int(rng.integers(1, 300))
-            store.native = True
+            store.use_native(NATIVE)
             native = store.lookup(ctx, continuation_len=depth, max_matches=limit)
             assert not python_drafts, "the native path answered"
-            store.native = False
+            store.use_native(PYTHON)
             python = store.lookup(ctx, continuation_len=depth, max_matches=limit)
             assert (native.matched_len, native.total_matches) == (python.matched_len, python.total_matches), trial
             assert native.continuations.shape == python.continuations.shape, trial
@@ -271,7 +273,7 @@ def test_the_native_draft_rounds_rows_half_to_even_as_python_does(monkeypatch):
     store.observe(np.array([1]), np.array([[2, 3]]))
     counts = {}
     for native in (True, False):
-        store.native = native
+        store.use_native(NativePolicy(native))
         lk = store.lookup([1], continuation_len=1)
         counts[native] = {int(t): int((lk.continuations[:, 0] == t).sum()) for t in (2, 3)}
     assert counts[True] == counts[False] == {2: 12, 3: 38}

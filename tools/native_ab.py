@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from datastores import HistoryStore, RecycleStore, RequestStore, TokenDatastore
+from rest_base.native_policy import PYTHON
 from rest_core.bench.methods import rest_full_decoders, suite_arguments
 from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import load_suite
@@ -39,17 +39,8 @@ VARIANTS = ("native", "python")
 def python_paths(stores, chooser: CostModel) -> None:
     """Have these stores and this cost model answer with their Python / numpy paths."""
     for store in stores:
-        if isinstance(store, TokenDatastore):
-            store._native = False
-        elif isinstance(store, RequestStore):
-            store._scan = None  # the next request's index is hashed
-            store.begin([], store.n_max, store.n_min)
-        elif isinstance(store, HistoryStore):
-            store._scan = None
-            store._index.scan = None
-        elif isinstance(store, RecycleStore):
-            store.native = False
-    chooser.native_ranking = False
+        store.use_native(PYTHON)
+    chooser.native = PYTHON
 
 
 def fresh_decoders(lm, suite: str) -> dict[str, RestDecoder]:

@@ -21,7 +21,15 @@ from rest_core.app.settings import NO_STATIC, STORE_WAIT_S, UPLOADED, Cancelled,
 from rest_core.app.slots import ModelSlot
 from rest_core.app.streaming import Emit
 from rest_core.app.visitors import address_tag
-from rest_core.decode import DecodeConfig, DecodeResult, PromptError, RestDecoder, plain_generate, plain_steps
+from rest_core.decode import (
+    DecodeConfig,
+    DecodeResult,
+    PromptError,
+    RestDecoder,
+    plain_generate,
+    plain_steps,
+    run_through,
+)
 from rest_core.model import encode_prompt
 from rest_core.trace import StepTrace
 
@@ -165,15 +173,13 @@ def start_run(engine: Engine, prep: Prepared, settings: Settings, session: Sessi
 def _decode(prep: Prepared, hook: Callable[[StepTrace], None], emit: Emit) -> DecodeResult:
     """Decode, recording every step with `hook` and telling the page about each step."""
     emit(("started", time.perf_counter()))
-    steps = prep.decoder.stream(prep.prompt_ids, prep.cfg)
-    while True:
-        try:
-            trace = next(steps)
-        except StopIteration as finished:
-            return finished.value
+
+    def each(trace: StepTrace) -> None:
         hook(trace)
         emit(("step", trace.step))
         emit(("tokens", trace.new_tokens))
+
+    return run_through(prep.decoder.stream(prep.prompt_ids, prep.cfg), each)
 
 
 def rest_work(engine: Engine, prep: Prepared, recording: Recording) -> Callable[[Emit], Any]:

@@ -25,9 +25,9 @@ from datastores import (
     TokenDatastore,
     TooManyTokens,
     build_datastore,
-    cache_dir,
     iter_documents,
 )
+from rest_base.files import cache_dir
 from rest_core.app.policy import Policy, markdown_text
 from rest_core.app.settings import UPLOADED, UploadError, log
 from rest_core.app.slots import ModelSlot

@@ -15,9 +15,10 @@ import numpy as np
 import plotly.graph_objects as go
 from tqdm.auto import tqdm
 
-from datastores import SEP, DatastoreError, TokenDatastore, build_from_token_documents, cache_dir
+from datastores import SEP, DatastoreError, TokenDatastore, build_from_token_documents
 from datastores.microbench import bench_store
-from datastores.static import TOKENS_NAME
+from datastores.store_format import TOKENS_NAME
+from rest_base.files import cache_dir
 from rest_core.bench.report import cpu_line, fmt, machine_info_cpu, write_png
 
 

@@ -14,9 +14,9 @@ tree mask), reading the cache where it lies.
 tree's best prefixes in one call (the numpy path's nodes and bit-equal scores, without its ~60 numpy operations,
 each of which runs from cold caches right after a pass); `rank_tree.cpp` ranks that tree's nodes by the cost
 model's chances (its numpy path's ~40 operations in one call, bit-equal too).  Each is compiled with the
-machine's C++ compiler for this very CPU (-march=native) into the cache (`<cache>/native/`, one file per machine
-key and source, by `datastores.native.build`; the linear kernels linked to the OpenMP runtime torch already
-uses) and loaded with ctypes: no build step at install time, nothing to download.  Where there is no compiler,
+machine's C++ compiler for this very CPU (-march=native) into the cache (`<cache>/native/`, one file per CPU,
+compiler and source, by `rest_base.native_build.build`; the linear kernels linked to the OpenMP runtime torch
+already uses) and loaded with ctypes: no build step at install time, nothing to download.  Where there is no compiler,
 the build fails, or REST_LAB_NATIVE=0, `library()` / `top_k_library()` / `attention_library()` /
 `cache_rows_library()` / `draft_tree_library()` / `rank_tree_library()` return None and `unavailable()` says
 why for the linear kernel; the callers then keep their torch (or numpy) paths.
@@ -32,9 +32,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from datastores import native as native_build
-from datastores.native import ENV, address  # ENV "0" / "off": never build or load the kernel
-from rest_core.machine import machine_key
+from rest_base import native_build
+from rest_base.native_build import ENV, address  # ENV "0" / "off": never build or load the kernel
 
 SOURCE = Path(__file__).with_name("blocked_linear.cpp")
 TOP_K_SOURCE = Path(__file__).with_name("row_top_k.cpp")
@@ -369,11 +368,10 @@ def source_tag(source: Path = SOURCE) -> str:
 
 def _built(source: Path, stem: str, openmp: bool) -> Path:
     """The compiled library of one source for this machine, compiled now when missing (atomically)."""
-    name = f"{stem}-{machine_key()}-{source_tag(source)}"
     torch_lib = Path(torch.__file__).parent / "lib"
     threads = ["-fopenmp", f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"] if openmp else []
     attempts = [["-march=native"] + threads, threads, ["-march=native"]] if openmp else [["-march=native"], []]
-    return native_build.build(source, name, attempts, find_compiler=lambda: _compiler())  # as patched now
+    return native_build.build(source, stem, attempts, find_compiler=lambda: _compiler())  # as patched now
 
 
 def pack(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from rest_core.cost import monotone_fit
+from rest_core.cost_curve import monotone_fit
 from rest_core.serving.load import BATCHES, DRAFTS, StepCost, save_curve
 
 MAX_TOKENS = 10  # tokens per request in a measurement: the first is the prefill's, the rest are timed steps

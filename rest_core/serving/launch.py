@@ -13,7 +13,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from datastores.common import DatastoreError, safe_file_name
+from datastores.common import DatastoreError
+from rest_base.files import safe_file_name
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_CACHE_GB = "2"

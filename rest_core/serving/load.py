@@ -33,7 +33,7 @@ from typing import Optional
 
 import numpy as np
 
-from datastores.common import cache_dir, safe_file_name, write_atomic
+from rest_base.files import cache_dir, safe_file_name, write_atomic
 
 BATCHES = (1, 2, 4, 8, 16)  # batch sizes the step cost is measured at
 DRAFTS = (0, 1, 2, 4, 8)  # draft tokens per request measured at each batch size

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import sqlite_utils
 import torch
 
-from datastores.common import cache_dir
+from rest_base.files import cache_dir
 from rest_core.phases import PHASES
 from rest_core.trace import StepTrace
 from rest_core.traces.liveness import process_alive, process_start
