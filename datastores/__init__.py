@@ -17,7 +17,7 @@
   Python store (`open_default_store`) and history (`open_history`) live beside it.
 """
 from datastores.answers import answers_store_path, build_answers_store
-from datastores.build import build_datastore, build_from_token_documents, reversed_suffix_array
+from datastores.build import TooManyTokens, build_datastore, build_from_token_documents, reversed_suffix_array
 from datastores.builtin import (
     assemble_stores,
     default_history_path,
@@ -59,6 +59,7 @@ __all__ = [
     "Store",
     "StoreBase",
     "TokenDatastore",
+    "TooManyTokens",
     "answers_store_path",
     "assemble_stores",
     "build_answers_store",

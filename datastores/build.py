@@ -46,7 +46,15 @@ from datastores.static import (
 BATCH_CHARS = 1 << 20  # text per tokenizer call: big enough to use the Rust threads
 BATCH_DOCS = 512
 
-__all__ = ["build_datastore", "build_from_token_documents", "reversed_suffix_array"]
+__all__ = ["TooManyTokens", "build_datastore", "build_from_token_documents", "reversed_suffix_array"]
+
+
+class TooManyTokens(DatastoreError):
+    """A build with refuse_past found more tokens than its cap (`limit`)."""
+
+    def __init__(self, message: str, limit: int):
+        super().__init__(message)
+        self.limit = limit
 
 
 def _tokenizer_name(tokenizer) -> str:
@@ -235,12 +243,14 @@ def _tokenize_to_file(sources: list[DocumentSource], tokenizer, out_file: Path, 
 def build_datastore(out_path: str | Path, tokenizer: Any,
                     documents: Iterable[tuple[str, str]] | DocumentSource | list[DocumentSource], *,
                     progress: bool = True, max_tokens: int | None = None, overwrite: bool = False,
-                    resume: bool = False) -> TokenDatastore:
+                    resume: bool = False, refuse_past: bool = False) -> TokenDatastore:
     """Tokenize documents into a new store at out_path and open it.
 
     documents: an iterable of ``(doc_id, text)``, a `DocumentSource` (see
     ``iter_python_sources`` / ``iter_text_files`` / ``iter_jsonl``) or a list of them.
-    max_tokens caps the stream (separators included); the last document is cut to fit.
+    max_tokens caps the stream (separators included); the last document is cut to fit, or, with
+    refuse_past, the build stops there (tokenizing ends with the batch that reached the cap) and
+    raises `TooManyTokens` without sorting or publishing anything.
     overwrite replaces an existing store at out_path (never a non-store directory).
     resume keeps tokenized batches under ``cache_dir()/token-batches`` (about 4 bytes per
     token) so rerunning an interrupted or repeated build skips finished batches.
@@ -258,7 +268,7 @@ def build_datastore(out_path: str | Path, tokenizer: Any,
             state["cached_batches"] = cache.hits
         return state
 
-    return _build(out, write_tokens, tok_info, lambda: [s.record() for s in sources], max_tokens)
+    return _build(out, write_tokens, tok_info, lambda: [s.record() for s in sources], max_tokens, refuse_past)
 
 
 def build_from_token_documents(out_path: str | Path, documents: Iterable[Sequence[int]], tokenizer: Any = None, *,
@@ -316,7 +326,8 @@ def _check_target(out_path, overwrite: bool, max_tokens: int | None) -> Path:
     return out
 
 
-def _build(out: Path, write_tokens, tok_info: dict, source_records, max_tokens: int | None) -> TokenDatastore:
+def _build(out: Path, write_tokens, tok_info: dict, source_records, max_tokens: int | None,
+           refuse_past: bool = False) -> TokenDatastore:
     """Shared tail of every build: stream file -> suffix array -> checksums -> meta -> publish."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -330,6 +341,8 @@ def _build(out: Path, write_tokens, tok_info: dict, source_records, max_tokens: 
         state = write_tokens(tmp / TOKENS_NAME)
         tokenize_s = time.perf_counter() - t0
         n = state["n_tokens"]
+        if refuse_past and state["truncated"]:
+            raise TooManyTokens(f"the documents hold more than {max_tokens:,} tokens", max_tokens or 0)
         if n == 0:
             detail = "; ".join(f"{r['kind']} {r['paths']}: {r['counts']}" for r in source_records())
             raise DatastoreError(f"the corpus is empty: no document produced a token ({detail}); "

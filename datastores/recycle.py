@@ -24,9 +24,15 @@ source's drafts are accepted, like any other source's.
 
 Paths are returned as continuation rows, each repeated in proportion to its prior chance,
 so the draft tree's prefix counts order the nodes by that chance.
+
+Many visitors of one server each learn their own table from one starting table: `fork` gives a
+store that reads the starting table's arrays and copies them only when it first learns (copy on
+write), so a fork costs a few hundred bytes until its first decode, and `share` returns a fork
+to the starting table, dropping its copy.
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import io
 from collections.abc import Sequence
@@ -89,8 +95,32 @@ class RecycleStore(StoreBase):
         # per pair (previous token, token): key previous * V + token in its hashed slot (-1 = empty), successors
         self.pair_keys = np.full(PAIR_SLOTS, -1, dtype=np.int64)  # (S,)
         self.pair_table = np.full((PAIR_SLOTS, self.successors_k), -1, dtype=np.int32)  # (S, k)
+        self.shared = False  # the tables are another store's too (read-only): copied before the first write
         if self.path is not None and self.path.exists():
             self.load()
+
+    # ------------------------------------------------------------------ copy on write
+    def fork(self) -> RecycleStore:
+        """A store that drafts from these tables as they are now and copies them when it first learns (it never
+        saves: no path).  The tables become read-only here, so this store copies them before it learns too."""
+        for array in (self.table, self.pair_keys, self.pair_table):
+            array.setflags(write=False)
+        self.shared = True
+        twin = copy.copy(self)
+        twin.path = None
+        return twin
+
+    def share(self, base: RecycleStore) -> None:
+        """Go back to reading `base`'s tables (a fork of it), dropping what this store learned on its own."""
+        if not base.shared:
+            base.fork()  # freezes base's tables
+        self.table, self.pair_keys, self.pair_table = base.table, base.pair_keys, base.pair_table
+        self.shared = True
+
+    def _own(self) -> None:
+        """Copy shared tables before the first write (copy on write)."""
+        self.table, self.pair_keys, self.pair_table = self.table.copy(), self.pair_keys.copy(), self.pair_table.copy()
+        self.shared = False
 
     @property
     def label(self) -> str:
@@ -109,6 +139,8 @@ class RecycleStore(StoreBase):
     def observe(self, tokens: np.ndarray, successors: np.ndarray, previous: np.ndarray | None = None) -> None:
         """tokens: (q,) tree node ids; successors: (q, >=k) the model's top predictions after each, best first;
         previous: (q,) the token before each node (its parent's; -1 where unknown), for the pair table."""
+        if self.shared:
+            self._own()
         succ = np.asarray(successors)[:, :self.successors_k]
         if len(tokens) <= FEW_NODES:
             self._observe_few(tokens, succ, previous)
@@ -273,6 +305,7 @@ class RecycleStore(StoreBase):
                                  f"needs {self.pair_table.shape}; delete it to start afresh")
         self.table = table.copy()
         self.pair_keys, self.pair_table = pair_keys.copy(), pair_table.copy()
+        self.shared = False
 
 
 _PAIR_PRIOR_C = (ctypes.c_double * len(PAIR_PRIOR))(*PAIR_PRIOR)

@@ -72,8 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate_vllm(args: argparse.Namespace) -> int:
-    from rest_core.serving.launch import run_module, served_model
+    from rest_core.serving.launch import run_module, served_model, vllm_python
 
+    vllm_python()  # no vLLM environment: say how to make one before resolving (perhaps converting) the model
     return run_module("rest_core.serving.calibrate", [served_model(args.model)])
 
 

@@ -345,13 +345,16 @@ class RestDecoder:
     `budget_chooser` (a cost.CostModel) picks the draft size per step when the config
     leaves draft_budget to it (`decide(tree)`: the cut tree and why), told when each request
     begins (`begin_request`) and what every step accepted (`observe`); without one the budget is
-    DEFAULT_BUDGET.
+    DEFAULT_BUDGET.  `undisturbed(since)`: whether nothing else took the cores since `since` (perf_counter);
+    a step it denies teaches acceptance but not the cost curve.
     """
 
-    def __init__(self, lm: LoadedModel, stores: Sequence[Store] = (), budget_chooser=None):
+    def __init__(self, lm: LoadedModel, stores: Sequence[Store] = (), budget_chooser=None,
+                 undisturbed: Optional[Callable[[float], bool]] = None):
         self.lm = lm
         self.stores = list(stores)
         self.budget_chooser = budget_chooser
+        self.undisturbed = undisturbed
 
     def generate(self, prompt: Sequence[int], cfg: DecodeConfig = DecodeConfig(), hook: Optional[StepHook] = None,
                  update_history: bool = True, stop_check: Optional[StopCheck] = None) -> DecodeResult:
@@ -405,6 +408,7 @@ class RestDecoder:
                            phase_ms={p: 0.0 for p in PHASES})
         context = list(prompt)
         while len(res.tokens) < room:
+            began = time.perf_counter()
             step = rest_step(lm, cache, context, self.stores, cfg, max_budget, chooser, gen, room - len(res.tokens),
                              taps)
             keep = stop_check(context, len(step.new_tokens)) if stop_check is not None else None
@@ -413,7 +417,8 @@ class RestDecoder:
                 step.stop = "stopped"
             _tally(res, step)
             if chooser is not None:
-                chooser.observe(step.tree, step.verdict.accepted_nodes, step.timings_ms["forward"])
+                quiet = self.undisturbed is None or self.undisturbed(began)
+                chooser.observe(step.tree, step.verdict.accepted_nodes, step.timings_ms["forward"] if quiet else None)
             if want_trace:
                 yield step.trace(res.steps - 1)
             if step.stop is not None:

@@ -107,7 +107,8 @@ def chromium_page(url: str, timeout_ms: int = 120_000):
 
 
 class TinyTokenizer:
-    """Just enough of a tokenizer for the decoder: ids <-> 't<id>' words."""
+    """Just enough of a tokenizer for the decoder and a store build: ids <-> 't<id>' words (a batch of texts
+    too); `chat()` gives one with a chat template (each message: id 1, its words, id 2)."""
 
     def __init__(self, vocab_size: int, eos_token_id: int):
         self.vocab_size = vocab_size
@@ -117,8 +118,22 @@ class TinyTokenizer:
     def decode(self, ids, skip_special_tokens=False):
         return " ".join(f"t{i}" for i in ids if not (skip_special_tokens and i == self.eos_token_id))
 
-    def __call__(self, text, add_special_tokens=False):
+    def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
+        if isinstance(text, list):
+            return {"input_ids": [self(t)["input_ids"] for t in text]}
         return {"input_ids": [int(w[1:]) for w in text.split()]}
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(self.vocab_size)}
+
+    def chat(self):
+        chatty = TinyTokenizer(self.vocab_size, self.eos_token_id)
+        chatty.chat_template = "tiny"
+        return chatty
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
+        ids = [t for m in messages for t in [1, *self(m["content"])["input_ids"], 2]]
+        return ids + [1] if add_generation_prompt else ids
 
 
 def no_chooser(lm, stores, kind):
@@ -130,6 +145,7 @@ def load_module(path: Path, name: str):
     """A file that is not part of a package (a script, the Hub folder's generate.py), loaded as a module."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)  # what dataclasses look their module up in
     spec.loader.exec_module(module)
     return module
 

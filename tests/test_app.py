@@ -21,7 +21,7 @@ import pytest
 
 from datastores import DatastoreError, RecycleStore, cache_dir
 from rest_core import app as sup
-from rest_core.app import session as session_module
+from rest_core.app import engine as engine_module
 from rest_core.traces import figures
 from rest_core.traces.recorder import TraceRecorder
 
@@ -299,17 +299,20 @@ def test_visitor_tables_start_from_the_persisted_one_and_are_never_saved(engine,
     learned.table[3] = list(range(10, 18))  # what command-line runs learned after token 3
     learned.save()
     before = persisted.read_bytes()
-    monkeypatch.setattr(session_module, "default_recycle_path", lambda name, tok: persisted)
-    mine = session.recycle_store(tiny)
-    assert mine.path is None and mine.table is not learned.table and list(mine.table[3]) == list(range(10, 18))
+    monkeypatch.setattr(engine_module, "default_recycle_path", lambda name, tok: persisted)
+    slot = engine.model("tiny")
+    mine = session.recycle_store(slot)
+    assert mine.path is None and list(mine.table[3]) == list(range(10, 18))
     run_turn(engine, session, MODEL_ONLY, PROMPT)
     run_turn(engine, session, MODEL_ONLY, "t11 t12 t13")
-    assert session.recycle_store(tiny) is mine and mine.known > learned.known, "it learned from this visitor"
+    assert session.recycle_store(slot) is mine and mine.known > learned.known, "it learned from this visitor"
     assert persisted.read_bytes() == before and recycle_files() == [persisted], "nothing written to disk"
-    other = sup.Session(id="visitor-b").recycle_store(tiny)
+    other = sup.Session(id="visitor-b").recycle_store(slot)
     assert (other.table == learned.table).all(), "another visitor starts from the persisted table, not from mine"
-    persisted.write_bytes(b"not a table")  # an unreadable table: the visitor starts empty
-    assert sup.Session(id="visitor-c").recycle_store(tiny).known == 0
+    persisted.write_bytes(b"not a table")  # an unreadable table: a server that reads it starts empty
+    fresh = sup.Engine(lm_factory=lambda name: tiny, store_factory=lambda tok: None, cost_factory=no_chooser,
+                       recorder=engine.recorder)
+    assert sup.Session(id="visitor-c").recycle_store(fresh.model("tiny")).known == 0
 
 
 def test_explorer_shows_the_model_source(engine, session):
@@ -471,7 +474,8 @@ def test_upload_store_is_built_and_drafts(tmp_path, session):
     code = "def frobnicate_widgets(widget_list, factor):\n    return [w * factor for w in widget_list]\n"
     (tmp_path / "mine.py").write_text(code * 3)
     docs = sup.save_uploads(session, [str(tmp_path / "mine.py")])
-    store = sup.build_upload_store(session, docs, engine.model(None), progress=False)
+    tokenizer = engine.model(None).lm.tokenizer
+    store = sup.build_upload_store(session, docs, tokenizer, engine.canonical(None), progress=False)
     assert store.n_tokens > 20 and "Your datastore" in sup.upload_summary(session, store)
     out = sup.explore(engine, session, sup.Settings(static=sup.UPLOADED, request_store=False),
                       "def frobnicate_widgets(widget", 16)
@@ -778,3 +782,88 @@ def test_a_decode_explains_its_speed_with_its_own_cost_model():
     assert chosen.forward_curve()(1) == chooser.forward_ms(1) == 51.0
     fixed = Prepared(calibrated, None, [1], SimpleNamespace(budget_chooser=None), "")
     assert fixed.forward_curve()(1) == 1.0
+
+
+def test_kept_or_shipped_answers_open_at_once_and_only_a_real_build_waits_for_the_built_in_store(monkeypatch):
+    """The general-text store opens at once when its answers are kept or ship with the package, even while the
+    built-in store is still being built (a fresh machine's first chat drafts from it); only when the model has to
+    answer the requests does it wait for the built-in store's build to end (one build at a time on the cores)."""
+    calls = []
+
+    def fake_open(spec, name, tokenizer, generate=None, progress=True):
+        calls.append(generate is None)
+        if generate is None and shipped:
+            return "store from shipped answers"
+        if generate is None:
+            raise DatastoreError("not built yet")
+        return "store the model answered"
+
+    monkeypatch.setattr(engine_module, "open_answers", fake_open)
+    monkeypatch.delenv("REST_LAB_ANSWERS", raising=False)
+    slot = SimpleNamespace(lm=SimpleNamespace(name="m", tokenizer=None),
+                           static=SimpleNamespace(finished=threading.Event()))
+    st = engine_module.StoreSlot()
+    shipped = True
+    assert engine_module.default_answers_factory(slot, lambda: None, st) == "store from shipped answers"
+    assert calls == [True]  # the built-in store (not finished) was not waited for
+    shipped, got = False, []
+    worker = threading.Thread(target=lambda: got.append(engine_module.default_answers_factory(slot, lambda: None, st)))
+    worker.start()
+    worker.join(0.5)
+    assert worker.is_alive() and not got  # the model would answer: it waits for the built-in store's build
+    slot.static.finished.set()
+    worker.join(5)
+    assert got == ["store the model answered"] and calls == [True, True, False]
+
+
+def test_live_redraws_mark_the_model_disturbed_while_they_are_built_and_drawn(engine, session, monkeypatch):
+    """While the live view builds and sends its figures (and the browser draws them, DRAW_SETTLE_S after), the
+    model's slot says the cores were taken, so the steps timed then teach the cost curve nothing; afterwards it
+    says so no longer."""
+    from rest_core.app import live
+
+    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)  # redraw at every chance (a tiny decode is quick)
+    monkeypatch.setattr(live, "TEXT_INTERVAL_S", 0.0)
+    seen = []
+    figures = live.LiveAnswer.figures
+
+    def spying(self, rows, step_no, run=None):
+        seen.append(self.drawing.quiet_since(time.perf_counter()))  # a step starting now: disturbed
+        return figures(self, rows, step_no, run)
+
+    monkeypatch.setattr(live.LiveAnswer, "figures", spying)
+    final = run_turn(engine, session, TINY, PROMPT)[-1]
+    assert final.done and seen and not any(seen)
+    drawing = engine.model("tiny").drawing
+    assert drawing.until < float("inf") and drawing.quiet_since(drawing.until + 1e-6)
+    assert drawing.until - time.perf_counter() <= live.DRAW_SETTLE_S  # settled: it ends a moment after the last draw
+
+
+def test_the_chat_estimates_its_speedup_against_plain_decoding_as_measured(engine, session, monkeypatch):
+    """Before the first chat a short plain decode measures plain decoding's pace (a one-token forward pass is
+    not plain decoding: the estimate read low against races); a race measures it again; the Chat tab's
+    estimate is REST's wall time against that pace."""
+    from rest_core.app import decoding
+
+    slot = engine.model("tiny")
+    assert slot.plain_token_ms is None
+    paced = []
+    real = decoding.plain_generate
+    monkeypatch.setattr(decoding, "plain_generate", lambda lm, ids, cfg: paced.append(cfg.max_new_tokens) or
+                        real(lm, ids, cfg))
+    final = run_turn(engine, session, TINY, PROMPT)[-1]
+    assert paced == [decoding.PLAIN_PACE_TOKENS] and slot.plain_token_ms > 0
+    assert "plain decoding as measured in this server" in final.metrics
+    before = slot.plain_token_ms
+    run_turn(engine, session, TINY, PROMPT)
+    assert paced == [decoding.PLAIN_PACE_TOKENS] and slot.plain_token_ms == before, "measured once per process"
+    last = list(sup.race(engine, session, TINY, PROMPT))[-1]
+    assert last.done and slot.plain_token_ms != before  # the race's plain decode measured it again
+    rows = engine.recorder.load_steps(last.run_id)
+    run = engine.recorder.get_run(last.run_id)
+    tokens = sum(len(r["new_tokens"]) for r in rows)
+    from rest_core.app.panels import metrics_html
+
+    html = metrics_html(rows, run["wall_s"], None, "done", slot.plain_token_ms)
+    estimate = float(re.search(r"([0-9.]+)×</div><div class=\"metric-k\">speedup", html).group(1))
+    assert estimate == pytest.approx(tokens * slot.plain_token_ms / (1e3 * run["wall_s"]), abs=0.006)

@@ -121,7 +121,8 @@ def test_the_choice_takes_native_only_where_both_neighbours_were_faster():
 def test_the_measured_choice_is_cached_per_shape_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
     monkeypatch.delenv("REST_LAB_RECALIBRATE", raising=False)
-    monkeypatch.setattr(attention, "measure", lambda shape: measure(shape, layers=2, lengths=(64,), rounds=1))
+    monkeypatch.setattr(attention, "measure",
+                        lambda shape, progress=None: measure(shape, layers=2, lengths=(64,), rounds=1))
     monkeypatch.setattr(attention, "_choices", {})
     lm = make_tiny_lm()
     first = tune_attention(lm.model)

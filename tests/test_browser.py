@@ -64,6 +64,19 @@ def plot_rendered(page, elem_id: str) -> None:
     page.wait_for_selector(f"#{elem_id} .js-plotly-plot .main-svg", state="attached", timeout=DECODE_MS)
 
 
+def test_step_through_opens_on_the_example_run_for_a_new_visitor(url):
+    """A visitor with no runs opens Step through on the shipped example run at its telling step, figures drawn,
+    never an empty tab."""
+    with chromium_page(url) as fresh:
+        fresh.get_by_role("tab", name="Step through").click()
+        explanation = fresh.locator("#step-explanation")
+        explanation.get_by_text(re.compile(r"Step \d+\.")).first.wait_for(timeout=60_000)
+        assert "example" in fresh.locator("#run-pick input").input_value().lower()
+        plot_rendered(fresh, "step-tree")
+        plot_rendered(fresh, "step-mask")
+        assert fresh.locator("#step-choices table tbody tr").count() >= 1
+
+
 def test_answer_streams_with_live_figures(page):
     # count the tinted tokens at every change of the chat, to see the answer arrive in pieces
     page.evaluate("""() => {

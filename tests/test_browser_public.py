@@ -78,3 +78,19 @@ def test_the_answer_goes_on_when_the_trace_store_is_full(page):
     assert answer.locator(".rest-answer").count() == 2, "recorded steps tinted by origin, the rest as plain text"
     assert len(re.findall(r"t\d+", answer.inner_text())) == 400, "the whole answer is shown"
     page.screenshot(path=str(SHOTS / "public-recording-stopped.png"), full_page=True)
+
+
+def test_visitor_text_shows_as_it_is_never_as_a_link(page):
+    """The tiny tokenizer refuses a context that is not t<id> words, quoting it back: the explorer's summary and the
+    toast show the quote as it is, with no link or emphasis made of it."""
+    page.get_by_role("tab", name="Datastore explorer").click()
+    page.fill("#explore-text textarea", "t5 x[**win**](http://evil.example/x)www.evil.example")
+    page.click("#explore-btn")
+    summary = page.locator("#explore-summary")
+    summary.get_by_text("invalid literal").wait_for(timeout=WAIT_MS)
+    quoted = "[**win**](http://evil.example/x)www.evil.example"
+    assert quoted in summary.inner_text()
+    assert summary.locator("a").count() == 0 and summary.locator("strong, em").count() == 0
+    toast = page.locator("[data-testid=toast-body]").last
+    toast.wait_for()
+    assert quoted in toast.inner_text() and toast.locator("a").count() == 0

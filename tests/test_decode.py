@@ -400,7 +400,10 @@ def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
     assert 0 < uncovered < 1  # both kinds of step occur here, so the share below is not a constant
     assert lines[1].startswith(f"the answer's next token among no candidate: {uncovered:.1%} of steps")
     assert lines[2].startswith(f"answer tokens the candidates hold per step: 0: {uncovered:.1%}, ")
-    assert lines[4].startswith("recorded choice") and len(lines) == 21
+    holders = sorted({s for r in rows for s in r["holders"]})  # the sources that retrieved some step's next token
+    assert lines[4].startswith("the answer's next token as the first token of a source's continuations: ")
+    assert all(f"{s} " in lines[4] for s in holders) and holders
+    assert lines[5].startswith("recorded choice") and len(lines) == 22
     assert all(len(r["before"]) <= 6 and isinstance(r["next"], int) for r in rows)
     assert sum(line.startswith("expected tokens - r * ms") for line in lines) == 4
 
@@ -473,3 +476,34 @@ def test_the_native_side_by_side_script_puts_every_store_on_its_python_path(tiny
         results[variant] = [(r.tokens, r.steps, r.accepted_drafts) for r in runs]
         assert all(r.tokens == plain.tokens for r in runs) and runs[1].accepted_drafts > 0
     assert results["native"] == results["python"]
+
+
+def test_only_undisturbed_steps_teach_the_cost_curve(tiny_lm):
+    """A step the decoder's `undisturbed` denies (something else of this process took the cores meanwhile, as the
+    page's live figures do) still teaches acceptance, but its forward time does not teach the cost curve."""
+    class Recording(CostModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.timed = []
+
+        def observe(self, tree, accepted_nodes, forward_ms):
+            self.timed.append(forward_ms)
+            super().observe(tree, accepted_nodes, forward_ms)
+
+    cfg = DecodeConfig(max_new_tokens=16, stop_at_eos=False)
+    steps = {}
+    for name, undisturbed in (("quiet", None), ("busy", lambda since: False), ("alternate", None)):
+        chooser = Recording(times_ms=np.array([50.0 + 2.0 * (q - 1) for q in GRID]))
+        if name == "alternate":
+            calls = itertools.count()
+            undisturbed = lambda since, calls=calls: next(calls) % 2 == 0
+        before = chooser.times_ms.copy()
+        RestDecoder(tiny_lm, stores=assemble_stores(request=True), budget_chooser=chooser,
+                    undisturbed=undisturbed).generate([5, 6, 7, 8, 5, 6, 7, 8], cfg)
+        steps[name] = chooser.timed
+        if name == "busy":
+            assert np.array_equal(chooser.times_ms, before)  # no step taught the curve
+    assert steps["quiet"] and all(ms is not None and ms > 0 for ms in steps["quiet"])
+    assert steps["busy"] and all(ms is None for ms in steps["busy"])
+    alternate = steps["alternate"]
+    assert [ms is None for ms in alternate] == [i % 2 == 1 for i in range(len(alternate))]

@@ -164,6 +164,9 @@ def test_speed_figure(rec):
     rate = next(d for d in fig.data if d.name == "tokens per second")
     assert list(rate.y) == [5.0, run["new_tokens"] / run["wall_s"]]
     assert "1.50×, identical output" in fig.layout.annotations[2].text
+    # the narrow third panel: its title on two lines, and room above the taller bar for its label
+    assert fig.layout.annotations[2].text.startswith("tokens per second<br>(")
+    assert fig.layout.yaxis3.range[1] >= 1.2 * max(rate.y) - 1e-9
     plain_only = figures.speed_figure(steps, {**run, "plain_tokens_per_s": None})
     assert not any(d.name == "tokens per second" for d in plain_only.data)
 

@@ -10,12 +10,16 @@ import sqlite3
 import threading
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from rest_core import app as sup
 from rest_core.app import engine as engine_module
-from rest_core.app.policy import Policy, markdown_text, public_reason
+from rest_core.app import live as live_module
+from rest_core.app.guard import Refused, UploadLedger
+from rest_core.app.policy import Policy, markdown_safe, markdown_text, public_reason
 from rest_core.app.turns import Busy, Turns
+from rest_core.app.visitors import Visitors, client_address
 from rest_core.decode import DecodeConfig, plain_generate
 from rest_core.model import DEFAULT_MODEL, ModelLoadError
 from rest_core.traces.recorder import TraceRecorder
@@ -277,14 +281,166 @@ def test_messages_show_home_paths_from_the_home_folder_only():
     assert str(Path.home()) not in text and "~/secret/x.txt" in text
 
 
-def test_uploads_beyond_the_servers_room_are_refused(tmp_path, monkeypatch):
-    from rest_core.app.guard import check_room
+# ---------------------------------------------------------------- who a visitor is, and what one address may hold
 
-    cache = tmp_path / "gradio"
-    cache.mkdir()
-    (cache / "old.txt").write_bytes(b"x" * 3000)
-    small = replace(PUBLIC, max_upload_total_bytes=4000)
-    check_room(small, cache, 500)  # fits
-    with pytest.raises(sup.UploadError, match="space for uploaded files is full"):
-        check_room(small, cache, 2000)
-    check_room(Policy(), cache, 10**9)  # a private server keeps no total
+@pytest.mark.parametrize("peer, forwarded, hops, expected", [
+    ("10.16.3.80", [], 0, "10.16.3.80"),  # no proxy: the connection's address
+    ("10.16.3.80", ["203.0.113.7"], 1, "203.0.113.7"),  # one proxy (a Space): the entry it appended
+    ("10.16.3.80", ["1.2.3.4, 203.0.113.7"], 1, "203.0.113.7"),  # a forged entry on the left is ignored
+    ("10.16.3.80", ["1.2.3.4", "203.0.113.7:5555"], 1, "203.0.113.7"),  # header lines together, a port dropped
+    ("10.16.3.80", ["1.2.3.4, 203.0.113.7, 10.0.0.2"], 2, "203.0.113.7"),  # two proxies
+    ("10.16.3.80", [], 1, "10.16.3.80"),  # fewer entries than proxies: counted by the proxy itself
+    ("10.16.3.80", ["2001:db8:1:2:aaaa::1"], 1, "2001:db8:1:2::/64"),  # IPv6: its /64 network
+    ("::ffff:192.0.2.1", [], 0, "192.0.2.1"),
+    (None, [], 0, "unknown"),
+])
+def test_a_client_is_known_by_the_address_its_trusted_proxy_forwarded(peer, forwarded, hops, expected):
+    assert client_address(peer, forwarded, hops) == expected
+    assert Policy.from_env({"SPACE_ID": "x/y"}).trusted_proxies == 1
+    assert Policy.from_env({"SPACE_ID": "x/y", "REST_LAB_TRUSTED_PROXIES": "2"}).trusted_proxies == 2
+    assert Policy.from_env({}).trusted_proxies == 0
+
+
+def test_the_line_holds_a_few_places_per_address_whatever_the_sessions():
+    turns = Turns(max_waiting=12, one_each=True, per_address=2)
+    held = [turns.join(f"session-{k}", "10.66.0.1") for k in range(2)]
+    for k in range(2, 30):  # 28 more sessions of the same client
+        with pytest.raises(Busy, match="network address already has 2"):
+            turns.join(f"session-{k}", "10.66.0.1")
+    honest = turns.join("visitor", "203.0.113.7")
+    assert honest.ahead() == 2 and len(turns) == 3
+    held[0].leave()
+    assert turns.join("session-29", "10.66.0.1").ahead() == 2, "a place freed is a place again"
+
+
+def test_an_address_holds_at_most_its_sessions_and_idle_ones_go():
+    visitors = Visitors(per_address=3, idle_s=3600)
+    gone = [visitors.admit("10.66.0.1", f"s{k}") for k in range(5)]
+    assert gone == [[], [], [], ["s0"], ["s1"]] and visitors.held("10.66.0.1") == 3
+    assert visitors.admit("10.66.0.1", "s2") == [], "a session used again is the most recent"
+    assert visitors.admit("10.66.0.1", "s5") == ["s3"]
+    assert visitors.admit("203.0.113.7", "mine") == [] and visitors.held("203.0.113.7") == 1
+    visitors.idle_s, visitors._swept = 0.0, -1e9  # everything idle now: the next request sweeps them all
+    assert set(visitors.admit("203.0.113.7", "mine")) == {"s2", "s4", "s5"}
+
+
+def test_uploads_sent_together_reserve_the_room_atomically(tmp_path):
+    policy = replace(PUBLIC, max_upload_total_bytes=40 * 2**20, max_upload_address_bytes=40 * 2**20)
+    ledger = UploadLedger(policy, lambda: [tmp_path])
+    ledger.measure()
+    outcomes, barrier = [], threading.Barrier(6)
+
+    def upload(k):
+        barrier.wait()
+        try:
+            r = ledger.reserve(f"10.0.0.{k}", 15 * 2**20)
+            outcomes.append(("stored", r))
+        except Refused as refusal:
+            outcomes.append((refusal.status, str(refusal)))
+    threads = [threading.Thread(target=upload, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stored = [r for kind, r in outcomes if kind == "stored"]
+    assert len(stored) == 2 and sorted(kind for kind, _ in outcomes if kind != "stored") == [507] * 4
+    assert all("space for uploaded files is full" in text for kind, text in outcomes if kind == 507)
+    for r in stored:
+        ledger.settle(r, 15 * 2**20, 1)
+    assert ledger.used() == (30 * 2**20, 2), "what was stored counts until a walk sees it"
+    with pytest.raises(Refused) as refused:
+        ledger.reserve("10.0.0.1", 15 * 2**20)
+    assert refused.value.status == 507
+    mine = ledger.reserve("10.0.0.9", 5 * 2**20)
+    ledger.release(mine)  # a request that failed stores nothing: its room comes back
+    assert ledger.used() == (30 * 2**20, 2)
+
+
+def test_an_address_uploads_at_most_its_allowance_and_files(tmp_path):
+    policy = replace(PUBLIC, max_upload_address_bytes=20 * 2**20, max_upload_files=3, max_upload_address_files=4)
+    ledger = UploadLedger(policy, lambda: [tmp_path])
+    ledger.measure()
+    first = ledger.reserve("10.66.0.1", 15 * 2**20)
+    with pytest.raises(Refused, match="your network address has uploaded 15 MB") as refused:
+        ledger.reserve("10.66.0.1", 15 * 2**20)
+    assert refused.value.status == 429
+    ledger.settle(first, 1000, 3)
+    with pytest.raises(Refused, match="4 files in one request; at most 3") as refused:
+        ledger.settle(ledger.reserve("10.66.0.2", 1000), 1000, 4)
+    assert refused.value.status == 413
+    with pytest.raises(Refused, match="too many files") as refused:
+        ledger.settle(ledger.reserve("10.66.0.1", 1000), 1000, 2)
+    assert refused.value.status == 429 and ledger.used()[1] == 3, "refused files are not counted"
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    ledger.measure()
+    assert ledger.used() == (10, 1), "a walk replaces what was counted with what is on disk"
+
+
+def test_runs_are_pruned_per_address_whatever_the_sessions(tiny, tmp_path):
+    policy = replace(PUBLIC, max_runs_per_visitor=30, max_runs_per_address=3)
+    engine = public_engine(tiny, recorder=TraceRecorder(tmp_path / "t.sqlite"), policy=policy)
+    short = replace(TINY, max_new_tokens=4)
+    mine = turn(engine, short, PROMPT, sup.Session(id="honest", address="203.0.113.7"))[-1].run_id
+    many = [turn(engine, short, PROMPT, sup.Session(id=f"s{k}", address="10.66.0.1"))[-1].run_id for k in range(6)]
+    kept = {r["id"] for r in engine.recorder.list_runs()}
+    assert kept == {mine, *many[-3:]}, "the client's 6 sessions keep 3 runs; the other visitor's run stays"
+    tags = {r["settings"].get("app_address") for r in engine.recorder.list_runs()}
+    assert len(tags) == 2 and not any("10.66" in t or "203.0" in t for t in tags), "no address is stored"
+
+
+def test_chat_history_is_capped_in_tokens_and_the_page_says_so(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(live_module, "CHAT_TURNS_SHOWN", 5)
+    chatty = replace(tiny, tokenizer=tiny.tokenizer.chat())
+    policy = replace(PUBLIC, max_chat_tokens=64)
+    engine = sup.Engine(lm_factory=lambda name: chatty, store_factory=lambda tok: None, cost_factory=no_chooser,
+                        recorder=TraceRecorder(tmp_path / "t.sqlite"), policy=policy)
+    visitor, chat = sup.Session(id="visitor-a"), replace(TINY, mode="chat", max_new_tokens=8)
+    notices = []
+    for k in range(8):
+        final = turn(engine, chat, " ".join(f"t{10 + k}" for _ in range(12)), visitor)[-1]
+        notices.append(final.notice or "")
+        assert engine.recorder.get_run(final.run_id)["prompt_tokens"] <= 64
+    assert not notices[0] and any("newest 64 tokens" in n and "oldest turn" in n for n in notices[2:])
+    assert len(visitor.history) <= 2 * 3, "the dropped turns are not kept either"
+    assert len(visitor.chat) == 2 * 5, "the page shows the newest turns"
+
+
+def test_visitor_tables_are_shared_until_they_learn_and_few_keep_their_own(tiny, tmp_path):
+    engine = public_engine(tiny, recorder=TraceRecorder(tmp_path / "t.sqlite"),
+                           policy=replace(PUBLIC, max_session_tables=2))
+    slot = engine.model("tiny")
+    explorers = [sup.Session(id=f"e{k}") for k in range(20)]
+    for visitor in explorers:
+        sup.explore(engine, visitor, replace(TINY, model_drafts=True), PROMPT, 8)
+    base = explorers[0].recycle_store(slot)
+    assert all(np.shares_memory(v.recycle_store(slot).table, base.table) for v in explorers), \
+        "looking up copies no table"
+    learners = [sup.Session(id=f"d{k}") for k in range(3)]
+    for visitor in learners:
+        turn(engine, replace(TINY, model_drafts=True, max_new_tokens=6), PROMPT, visitor)
+    owns = [not v.recycle_store(slot).shared for v in learners]
+    assert owns == [False, True, True], "past the limit the least recent learner goes back to the shared table"
+
+
+def test_visitor_and_model_text_is_never_markup():
+    link = "[win](http://evil.example) www.evil.example <img src=x> **bold** __init__"
+    shown = markdown_safe(link)
+    assert "[win]" not in shown and "<img" not in shown and "**" not in shown and "__" not in shown
+    assert "http\\://" in shown and "www\\." in shown
+    step = {"step": 0, "query_text": link, "matched_len": {}, "branches": [], "draft_size": 0, "nodes": [
+        {"node": 0, "token_text": link, "accepted": True}], "bonus_text": link, "new_tokens": [1]}
+    text = sup.explain_step(step, {"settings": {}})
+    assert text.startswith("**Step 0.**") and "[win]" not in text and "<img" not in text and "**bold" not in text
+    session = sup.Session(id="visitor-a", upload_files=["_a__b_.txt", "__init__.py"], upload_model="tiny")
+    summary = sup.upload_summary(session, type("Store", (), {"n_tokens": 5})())
+    assert "\\_\\_init\\_\\_.py" in summary
+
+
+def test_an_uploaded_store_past_its_token_cap_is_refused(tiny, tmp_path):
+    visitor = sup.Session(id="visitor-a")
+    docs = [("a.txt", " ".join(f"t{k % 500}" for k in range(3000)))]
+    with pytest.raises(sup.UploadError, match="more than 1,000 tokens"):
+        sup.build_upload_store(visitor, docs, tiny.tokenizer, "tiny", max_tokens=1000, progress=False)
+    assert not (visitor.store_dir / "meta.json").exists(), "nothing was published"
+    store = sup.build_upload_store(visitor, docs, tiny.tokenizer, "tiny", max_tokens=5000, progress=False)
+    assert store.n_tokens == 3000

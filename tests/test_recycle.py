@@ -275,3 +275,23 @@ def test_the_native_draft_rounds_rows_half_to_even_as_python_does(monkeypatch):
         lk = store.lookup([1], continuation_len=1)
         counts[native] = {int(t): int((lk.continuations[:, 0] == t).sum()) for t in (2, 3)}
     assert counts[True] == counts[False] == {2: 12, 3: 38}
+
+
+def test_a_fork_reads_the_shared_table_until_it_learns_then_copies_it():
+    base = trained()
+    fork, other = base.fork(), base.fork()
+    assert all(np.shares_memory(a, b) for a, b in ((fork.table, base.table), (fork.pair_table, base.pair_table),
+                                                   (fork.pair_keys, base.pair_keys))), "a fork copies nothing"
+    assert fork.lookup([1, 2, 5], continuation_len=4).continuations.tolist() == \
+        base.lookup([1, 2, 5], continuation_len=4).continuations.tolist(), "and drafts what the shared table holds"
+    with pytest.raises(ValueError):
+        base.table[5] = 0  # the shared table is read-only: nobody changes it for the others
+    fork.observe(np.array([5]), np.array([[40, 41, 42, 43]]), previous=np.array([7]))
+    assert fork.table[5].tolist() == [40, 41, 42, 43] and not fork.shared
+    assert base.table[5].tolist() == [7, 9, 11, 13] and other.table[5].tolist() == [7, 9, 11, 13], \
+        "what one fork learns stays its own"
+    assert not np.shares_memory(fork.table, base.table) and np.shares_memory(other.table, base.table)
+    base.observe(np.array([8]), np.array([[1, 2, 3, 4]]))  # the shared table's owner learns on a copy too
+    assert base.table[8].tolist() == [1, 2, 3, 4] and other.table[8].tolist() == [30, 31, 32, 33]
+    fork.share(other)  # back to reading a shared table: its own copy dropped
+    assert np.shares_memory(fork.table, other.table) and fork.shared and fork.table[5].tolist() == [7, 9, 11, 13]

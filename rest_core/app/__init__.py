@@ -15,17 +15,19 @@ Public face:
   `launch`, `main` (ui) -- the page itself, one builder per tab (app.py and `rest-lab-app` serve
   it). Neither is re-exported here: both need gradio.
 
-* `Policy` (policy) -- public mode: which models a visitor may use, and every limit; `Turns` (turns) --
-  the line of decodes; `Recording` (recording) -- a run's recording, which never stops its decode;
-  `UploadGuard` (guard) -- the upload route's guard on a public server.
+* `Policy` (policy) -- public mode: which models a visitor may use, and every limit; `Visitors`
+  (visitors) -- who a visitor is (the client address behind a request) and the sessions one address
+  holds; `Turns` (turns) -- the line of decodes; `Recording` (recording) -- a run's recording, which
+  never stops its decode; `UploadLedger` and `UploadGuard` (guard) -- the room uploads take on a public
+  server, and the upload route's guard; `status_text` (status) -- the status line.
 
 * `WhatIf`, `replay_plan`, `replay_step` (whatif) and `what_if_views` (whatif_view) -- a recorded
   step run again with other settings on the run's model, beside what happened; `STOPS` (tour) -- the
   tour over the example run that ships with the page (replay's `example_run`).
 
-Modules import downstream only: settings → policy → turns → engine → session → recording →
-decoding / streaming / panels → live, replay → whatif → whatif_view, tour, explorer → page → ui_teach
-→ ui; guard after session.
+Modules import downstream only: settings → policy → status, visitors, turns → engine → session →
+recording → decoding / streaming / panels → live, replay → whatif → whatif_view, tour, explorer → page
+→ ui_teach → ui; guard after session.
 """
 from rest_core.app.engine import Engine, ModelSlot, StoreSlot
 from rest_core.app.explorer import explore

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
 from datastores import assemble_stores, store_labels
@@ -19,6 +19,7 @@ from rest_core.app.recording import Recording, start_recording
 from rest_core.app.session import Session, open_upload_store
 from rest_core.app.settings import NO_STATIC, STORE_WAIT_S, UPLOADED, Cancelled, Settings, message_of
 from rest_core.app.streaming import Emit
+from rest_core.app.visitors import address_tag
 from rest_core.decode import DecodeConfig, DecodeResult, PromptError, RestDecoder, plain_generate, plain_steps
 from rest_core.model import encode_prompt
 from rest_core.trace import StepTrace
@@ -36,6 +37,9 @@ class Prepared:
     prompt_ids: list[int]
     decoder: RestDecoder
     notice: str  # a notice for the page ("" when none)
+    history: list[dict] = field(default_factory=list)  # the earlier chat turns the prompt holds (the oldest may
+    # have been dropped)
+    dropped: str = ""  # what the page says, to the answer's end, when the oldest turns were dropped
 
     def forward_curve(self) -> Optional[Callable[[int], float]]:
         """The forward-pass time of q tokens as this decode's cost model holds it (at the machine's speed of
@@ -54,12 +58,30 @@ def prompt_ids_of(slot: ModelSlot, settings: Settings, message: str, history: li
     return encode_prompt(slot.lm.tokenizer, message, chat=chat, history=history if chat else None)
 
 
+def fit_history(slot: ModelSlot, settings: Settings, message: str, history: list[dict],
+                max_tokens: Optional[int]) -> tuple[list[int], list[dict]]:
+    """The prompt's tokens with as many of the latest chat turns as fit in `max_tokens` (None: every turn), the
+    oldest dropped first, and the turns kept."""
+    ids = prompt_ids_of(slot, settings, message, history)
+    while max_tokens is not None and len(ids) > max_tokens and history:
+        history = history[2:]  # one turn: the visitor's message and the answer
+        ids = prompt_ids_of(slot, settings, message, history)
+    return ids, history
+
+
+def dropped_note(dropped: int, max_tokens: int) -> str:
+    """What the page says when a chat's oldest turns no longer fit its token budget."""
+    return (f"This server keeps a conversation to its newest {max_tokens:,} tokens: your {dropped} oldest "
+            f"turn{'s' if dropped != 1 else ''} {'were' if dropped != 1 else 'was'} dropped from what the model "
+            "reads.")
+
+
 def static_store_for(engine: Engine, slot: ModelSlot, session: Session, settings: Settings) -> tuple[Any, str]:
     """(the static store the settings ask for, or None; a notice for the page)."""
     if settings.static == NO_STATIC:
         return None, ""
     if settings.static == UPLOADED:
-        return open_upload_store(session, slot), ""
+        return open_upload_store(session, slot, engine.canonical(settings.model)), ""
     st = engine.start_static(slot)
     st.finished.wait(STORE_WAIT_S)  # opening a built store takes milliseconds; a first build, minutes
     if st.state == "ready":
@@ -97,13 +119,15 @@ def make_decoder(engine: Engine, slot: ModelSlot, session: Session, settings: Se
     static, notice = static_store_for(engine, slot, session, settings)
     answers = answers_store_for(engine, slot, settings)
     history = session.history_store(slot.lm.name, cfg) if settings.history_store else None
-    model = session.recycle_store(slot.lm) if settings.model_drafts else None
+    model = session.recycle_store(slot) if settings.model_drafts else None
+    if model is not None:  # it learns from this decode: one of the tables visitors hold of their own
+        slot.learning(model, engine.policy.max_session_tables if engine.policy.public else None)
     stores = assemble_stores(static=static, answers=answers, request=settings.request_store, history=history,
                              model=model, dense=dense_store_for(slot, settings), n_max=cfg.retrieve.n_max,
                              n_min=cfg.retrieve.n_min)
     chooser = slot.chooser(stores, kind="chat" if settings.mode == "chat" else "text") \
         if cfg.draft_budget is None else None
-    return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser), notice
+    return RestDecoder(slot.lm, stores=stores, budget_chooser=chooser, undisturbed=slot.drawing.quiet_since), notice
 
 
 def prepare(engine: Engine, session: Session, settings: Settings, message: str, history: list[dict],
@@ -114,21 +138,24 @@ def prepare(engine: Engine, session: Session, settings: Settings, message: str, 
     if name not in engine.models:
         yield say(f"Loading {name} (once; the first load on a machine takes longer)…")
     slot = engine.model(name)
-    prompt_ids = prompt_ids_of(slot, settings, message, history)
+    budget = engine.policy.max_chat_tokens if engine.policy.public and settings.mode == "chat" else None
+    prompt_ids, kept = fit_history(slot, settings, message, history, budget)
     if cfg.draft_budget is None and not slot.measured:
         yield say("Measuring this machine's forward-pass cost for the automatic budget (once)…")
     decoder, notice = make_decoder(engine, slot, session, settings, cfg)
-    return Prepared(slot, cfg, prompt_ids, decoder, notice)
+    dropped = dropped_note((len(history) - len(kept)) // 2, budget) if len(kept) < len(history) and budget else ""
+    return Prepared(slot, cfg, prompt_ids, decoder, " ".join(filter(None, [dropped, notice])), kept, dropped)
 
 
 def start_run(engine: Engine, prep: Prepared, settings: Settings, session: Session, prompt_text: str) -> Recording:
     """Record a new run of this visitor's (its steps follow as they are decoded); a store that refuses
     gives a Recording that records nothing and says why."""
     lm = prep.slot.lm
+    tag = address_tag(session.address) if session.address else ""
     recording = start_recording(engine, session.id, lm.tokenizer, dict(
         model=lm.name, tokenizer_name=str(getattr(lm.tokenizer, "name_or_path", lm.name)),
-        stores=store_labels(prep.decoder.stores), settings=settings.record(session.id), prompt=prompt_text,
-        prompt_tokens=list(prep.prompt_ids)))
+        stores=store_labels(prep.decoder.stores), settings=settings.record(session.id, tag), prompt=prompt_text,
+        prompt_tokens=list(prep.prompt_ids)), address=tag)
     if recording.run_id is not None:
         session.run_ids.append(recording.run_id)
     return recording
@@ -152,8 +179,29 @@ def rest_work(engine: Engine, prep: Prepared, recording: Recording) -> Callable[
     """The worker side of a REST decode: record every step, tell the page, finish the run, save the
     cost model's counts."""
     def work(emit: Emit) -> DecodeResult:
-        return _recorded(prep, recording, lambda: _decode(prep, recording.hook, emit))
+        def decode() -> DecodeResult:
+            pace_plain(prep)
+            return _decode(prep, recording.hook, emit)
+        return _recorded(prep, recording, decode)
     return work
+
+
+PLAIN_PACE_TOKENS = 12  # the short plain decode that measures plain decoding's pace before a first chat
+
+
+def pace_plain(prep: Prepared) -> None:
+    """Measure plain decoding's time per token on this model once per process (a few tokens of the prompt at
+    hand, before its REST decode, holding the model), unless a race measured it already: the Chat tab's
+    speedup is estimated against it."""
+    if prep.slot.plain_token_ms is None:
+        cfg = DecodeConfig(max_new_tokens=PLAIN_PACE_TOKENS, stop_at_eos=False)
+        note_plain_pace(prep.slot, plain_generate(prep.slot.lm, prep.prompt_ids, cfg))
+
+
+def note_plain_pace(slot: ModelSlot, plain: DecodeResult) -> None:
+    """Plain decoding's time per token after the prefill, as `plain` (a timed plain decode) ran it."""
+    if plain.steps:
+        slot.plain_token_ms = 1e3 * max(0.0, plain.wall_s - plain.prefill_s) / plain.steps or None
 
 
 def race_work(prep: Prepared, recording: Recording) -> Callable[[Emit], tuple[DecodeResult, DecodeResult]]:
@@ -169,6 +217,7 @@ def race_work(prep: Prepared, recording: Recording) -> Callable[[Emit], tuple[De
             emit(("started", time.perf_counter()))
             plain, rest, traces = in_turn(plain_steps(lm, prep.prompt_ids, prep.cfg),
                                           prep.decoder.stream(prep.prompt_ids, prep.cfg), emit)
+            note_plain_pace(prep.slot, plain)
             for trace in traces:
                 recording.hook(trace)
             return rest

@@ -13,18 +13,32 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
-from datastores import Store, default_store_path, open_answers, open_default_store, store_labels
+from datastores import (
+    DatastoreError,
+    RecycleStore,
+    Store,
+    default_recycle_path,
+    default_store_path,
+    open_answers,
+    open_default_store,
+    store_labels,
+)
 from datastores.answer_prompts import answer_prompts
 from rest_core.app.policy import Policy, markdown_text
-from rest_core.app.settings import MAX_MODELS, log, message_of
-from rest_core.app.turns import Turns
+from rest_core.app.settings import MAX_MODELS, STORE_RETRY_S, log, message_of
+from rest_core.app.status import status_text, store_progress
+from rest_core.app.streaming import Disturbance
+from rest_core.app.turns import Busy, Turns, between_decodes
 from rest_core.cost import CostModel
 from rest_core.hidden import open_model_dense
 from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, generate_batch, load_model, load_tokenizer
@@ -35,10 +49,10 @@ CostFactory = Callable[[LoadedModel, Sequence[Store], str], Any]  # (model, stor
 AnswersFactory = Callable[["ModelSlot", Callable[[], None], "StoreSlot"], Any]  # (slot, pause, its StoreSlot) -> store
 # (slot, turn) -> store; every model pass of the build runs inside `with turn():`, which holds the model's lock
 DenseFactory = Callable[["ModelSlot", Callable[[], AbstractContextManager]], Any]
-TURN_GAP_S = 0.02  # between two chunks of the dense build: time for a waiting decode to take the model
-STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
 MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
 TRACE_BUSY_S = 5.0  # how long a write waits for a trace store another program holds
+TOKENIZER_WAIT_S = 120.0  # how long loading a tokenizer for a replay waits for its turn (then ids are shown)
+TOKENIZER_RETRY_S = 60.0  # a tokenizer that failed to load is tried again this long after
 
 
 @dataclass
@@ -63,11 +77,44 @@ class ModelSlot:
     lm: LoadedModel
     cost_factory: CostFactory
     lock: threading.Lock = field(default_factory=threading.Lock)  # one decode at a time on this model
+    drawing: Disturbance = field(default_factory=Disturbance)  # the live view's redraws (their steps teach no curve)
+    plain_token_ms: Optional[float] = None  # plain decoding per token, as last measured (a race, or before a chat)
     static: StoreSlot = field(default_factory=StoreSlot)
     answers: StoreSlot = field(default_factory=StoreSlot)  # the general-text store (the model's own answers)
     dense: StoreSlot = field(default_factory=StoreSlot)  # the dense store over those answers (hidden states)
     costs: dict[tuple[str, ...], Any] = field(default_factory=dict)  # (kind, *store labels) -> budget chooser
     _cost_lock: threading.Lock = field(default_factory=threading.Lock)
+    _recycle_base: Optional[RecycleStore] = None  # the table visitors' tables start from (read-only)
+    _learning: OrderedDict = field(default_factory=OrderedDict)  # id -> weakref of forks that learned, oldest first
+
+    def recycle_fork(self) -> RecycleStore:
+        """A visitor's own table of the model's predictions: a fork (copy on write) of the table command-line
+        and benchmark runs keep for this model, read once, or of an empty one when there is none that fits."""
+        with self._cost_lock:
+            if self._recycle_base is None:
+                base = RecycleStore(self.lm.vocab_size)  # no path: nothing is ever written
+                try:
+                    path = default_recycle_path(self.lm.name, self.lm.tokenizer)
+                    if path.is_file():
+                        base.load(path)
+                except (DatastoreError, OSError) as err:  # a missing or unreadable table: start empty
+                    log.info("%s: visitors' tables of the model's predictions start empty (%s)", self.lm.name, err)
+                self._recycle_base = base
+            return self._recycle_base.fork()
+
+    def learning(self, store: RecycleStore, limit: Optional[int]) -> None:
+        """`store` (a fork) is about to learn from a decode, so it holds tables of its own: at most `limit` forks
+        do (None: any number); the ones that learned least recently go back to the shared table."""
+        with self._cost_lock:
+            self._learning.pop(id(store), None)
+            self._learning[id(store)] = weakref.ref(store)
+            for key, ref in list(self._learning.items()):
+                if ref() is None:
+                    del self._learning[key]
+            while limit is not None and len(self._learning) > max(1, limit):
+                oldest = self._learning.popitem(last=False)[1]()
+                if oldest is not None and self._recycle_base is not None:
+                    oldest.share(self._recycle_base)
 
     def chooser(self, stores: Sequence[Store], kind: str = "") -> Any:
         """The automatic budget's cost model for these stores and this kind of prompt ("chat" or "text"; the
@@ -88,9 +135,10 @@ class ModelSlot:
         return next((c.forward_ms for c in list(self.costs.values()) if hasattr(c, "forward_ms")), None)
 
     def plain_ms(self) -> Optional[float]:
-        """A one-token forward pass as calibrated, when a cost model exists already."""
+        """Plain decoding's time per token as measured in this process (`plain_token_ms`), else a one-token
+        forward pass as calibrated, when a cost model exists already."""
         curve = self.forward_curve()
-        return curve(1) if curve is not None else None
+        return self.plain_token_ms or (curve(1) if curve is not None else None)
 
 
 def default_cost_factory(lm: LoadedModel, stores: Sequence[Store], kind: str) -> CostModel:
@@ -114,6 +162,10 @@ def default_answers_factory(slot: ModelSlot, pause: Callable[[], None], st: Stor
         out = generate_batch(lm, prompts, max_new_tokens, between_steps=pause)
         st.done += len(prompts)
         return out
+    try:  # kept from an earlier build, or shipped with the package: indexed in about a second, at once
+        return open_answers("default", lm.name, lm.tokenizer, progress=False)
+    except DatastoreError:
+        slot.static.finished.wait()  # the model answers for minutes: one build at a time on these cores
     return open_answers("default", lm.name, lm.tokenizer, generate=generate, progress=False)
 
 
@@ -133,44 +185,13 @@ def _store_build_dir(tokenizer: Any) -> Optional[Path]:
         return None
 
 
-def _store_line(engine: Engine, st: StoreSlot) -> str:
-    return {
-        "idle": "built-in datastore not opened yet",
-        "building": "building the built-in datastore from Python sources (first time on this machine "
-                    f"only; it takes a few minutes: {engine.store_progress(st)}). Until it is ready, "
-                    "answers draft from the request and history stores only",
-        "ready": f"built-in datastore ready ({getattr(st.store, 'n_tokens', 0):,} tokens)",
-        "failed": f"⚠ built-in datastore unavailable ({markdown_text(st.error, 200)}); tried again after "
-                  f"{STORE_RETRY_S:.0f} s",
-        "off": "no built-in datastore",
-    }[st.state]
-
-
-def _answers_line(st: StoreSlot) -> str:
-    return {
-        "idle": "",
-        "building": f"the general-text store is being built: the model answers {st.total or 'a few hundred'} "
-                    f"requests, once on this machine ({st.done} so far; it pauses while you decode)",
-        "ready": f"general-text store ready ({getattr(st.store, 'n_tokens', 0):,} tokens of the model's answers)",
-        "failed": f"⚠ general-text store unavailable ({markdown_text(st.error, 200)})",
-        "off": "",
-    }[st.state]
-
-
-def _dense_line(st: StoreSlot) -> str:
-    if st.state == "ready":
-        return f"dense store ready ({len(st.store):,} positions of the model's hidden states)"
-    if st.state == "failed":
-        return f"⚠ dense store unavailable ({markdown_text(st.error, 200)})"
-    return ("the dense store is being built: the model reads its answers once, stepping aside while you decode "
-            "(answers draft without it until then)") if st.state == "building" else ""
-
-
 class Engine:
     """Models and the built-in store, shared by all sessions of one server.
 
     The factories replace the default model loader, built-in store and cost model (tests);
-    `recorder` (or `trace_db`, a path) the trace store, opened on first use otherwise.
+    `recorder` (or `trace_db`, a path) the trace store, opened on first use otherwise; `tokenizer_factory`
+    loads a model's tokenizer without its weights (default: rest_core.model.load_tokenizer; with a model
+    factory of its own and none given, the tokenizer of that factory's model).
     """
 
     def __init__(self, lm_factory: Callable[[str], LoadedModel] | None = None,
@@ -178,12 +199,17 @@ class Engine:
                  cost_factory: CostFactory | None = None,
                  recorder: TraceRecorder | None = None, trace_db: str | Path | None = None,
                  policy: Policy | None = None, answers_factory: AnswersFactory | None = None,
-                 dense_factory: DenseFactory | None = None):
+                 dense_factory: DenseFactory | None = None,
+                 tokenizer_factory: Callable[[str], Any] | None = None):
         self.policy = policy or Policy.from_env()
-        self.turns = Turns(self.policy.max_waiting if self.policy.public else None, one_each=self.policy.public)
+        public = self.policy.public
+        self.turns = Turns(self.policy.max_waiting if public else None, one_each=public,
+                           per_address=self.policy.max_waiting_per_address if public else None)
         self.trace_notice = ""  # what went wrong with the trace store, for the status line
         self.unfinished: dict[int, dict] = {}  # run id -> the outcome its finish could not write yet
         self.lm_factory = lm_factory or load_model
+        self.tokenizer_factory = tokenizer_factory or (load_tokenizer if lm_factory is None else
+                                                       (lambda name: self.lm_factory(name).tokenizer))
         self.store_factory = store_factory or default_store_factory
         self.watch_store_build = store_factory is None
         # a server with its own store factory (tests) builds no general-text store unless given a factory
@@ -198,6 +224,7 @@ class Engine:
         self.loading: dict[str, float] = {}  # model name -> when its load began
         self.load_errors: dict[str, str] = {}
         self._tokenizers: dict[str, Any] = {}
+        self._tokenizer_failed: dict[str, float] = {}  # name -> when loading its tokenizer last failed
         self._preloading = False
         self._load_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -329,8 +356,6 @@ class Engine:
     def _build_answers(self, slot: ModelSlot) -> None:
         st = slot.answers
         try:
-            slot.static.finished.wait()  # one build at a time on these cores
-
             def pause() -> None:  # between two tokens: wait while a visitor's decode holds the model
                 while slot.lock.locked():
                     time.sleep(0.05)
@@ -352,16 +377,9 @@ class Engine:
             st.finished.set()
             return
         st.state, st.started = "building", time.time()
-
-        @contextmanager
-        def turn():
-            time.sleep(TURN_GAP_S)  # a decode woken by the last chunk's release takes the lock now
-            while slot.lock.locked():
-                time.sleep(0.05)
-            with slot.lock:
-                yield
         try:
-            st.store = self.dense_factory(slot, turn)
+            slot.static.finished.wait()  # one build at a time on these cores
+            st.store = self.dense_factory(slot, partial(between_decodes, slot.lock))
             st.state = "ready" if st.store is not None else "off"
         except Exception as err:  # shown on the page
             st.error, st.state, st.failed_at = message_of(err), "failed", time.time()
@@ -387,36 +405,17 @@ class Engine:
             log.warning("preloading the default model failed: %s", message_of(err))
 
     def store_progress(self, st: StoreSlot) -> str:
-        elapsed = time.time() - st.started
-        done = ""
-        if st.path is not None:
-            sizes = [p.stat().st_size for p in st.path.parent.glob(f".{st.path.name}.building-*/tokens.u32")
-                     if p.exists()]
-            if sizes:
-                done = f", {max(sizes) // 4 / 1e6:.1f}M tokens so far"
-        return f"{elapsed:.0f} s{done}"
+        return store_progress(st)
 
     def status(self) -> str:
-        """One line per model: loading / loaded, and the state of its built-in store."""
-        lines = []
-        for name, since in list(self.loading.items()):
-            lines.append(f"Loading model **{markdown_text(name)}** ({time.time() - since:.0f} s so far; the very "
-                         "first load on a machine converts the offline copy, about 30 s).")
-        for name, error in list(self.load_errors.items()):
-            if name not in self.models and self.policy.offers(name):
-                lines.append(f"⚠ Model **{markdown_text(name)}** could not be loaded: {markdown_text(error, 300)}")
-        for name, slot in list(self.models.items()):
-            lm = slot.lm
-            lines.append(f"✓ Model **{markdown_text(name)}** on {lm.device.type} ({str(lm.dtype).split('.')[-1]}); "
-                         f"{_store_line(self, slot.static)}" +
-                         (f"; {line}" if (line := _answers_line(slot.answers)) else "") +
-                         (f"; {line}." if (line := _dense_line(slot.dense)) else "."))
-        if self.trace_notice:
-            lines.append(self.trace_notice)
-        return "\n\n".join(lines) or "Starting: the model loads on first use."
+        """One line per model: loading / loaded, and the state of its built-in store (rest_core.app.status)."""
+        return status_text(self)
 
-    def tokenizer_for(self, name: Optional[str]) -> Any:
-        """A tokenizer for replaying a run: a loaded model's, else loaded alone (no weights), else None."""
+    def tokenizer_for(self, name: Optional[str], owner: str = "", address: str = "", in_turn: bool = False) -> Any:
+        """A tokenizer for replaying a run or building a visitor's store: a loaded model's, else one loaded alone
+        (no weights; kept, up to MAX_TOKENIZERS), else None.  On a public server a load takes its turn in the
+        line of decodes as `owner` from `address` (None when the line refuses it), unless the caller holds a
+        turn already (`in_turn`)."""
         name = self.canonical(name)
         loaded = [s.lm for key, s in list(self.models.items()) if name in (key, s.lm.name)]
         if loaded:
@@ -425,15 +424,39 @@ class Engine:
             return None
         if name in self._tokenizers:
             return self._tokenizers[name]
+        if time.monotonic() - self._tokenizer_failed.get(name, -TOKENIZER_RETRY_S) < TOKENIZER_RETRY_S:
+            return None  # it failed a moment ago: replays show ids meanwhile
+        ticket = None
         try:
-            tokenizer = load_tokenizer(name)
+            if self.policy.public and not in_turn:
+                ticket = self.turns.join(owner, address)
+                if not ticket.wait(TOKENIZER_WAIT_S):
+                    return None
+            with self._load_lock:
+                if name not in self._tokenizers:
+                    tokenizer = self._load_tokenizer(name)
+                    if tokenizer is None:
+                        self._tokenizer_failed[name] = time.monotonic()
+                        return None
+                    self._keep_tokenizer(name, tokenizer)
+                return self._tokenizers[name]
+        except Busy:
+            return None
+        finally:
+            if ticket is not None:
+                ticket.leave()
+
+    def _load_tokenizer(self, name: str) -> Any:
+        try:
+            return self.tokenizer_factory(name)
         except Exception:  # replay works without one (token ids shown instead)
-            tokenizer = None
+            return None
+
+    def _keep_tokenizer(self, name: str, tokenizer: Any) -> None:
         with self._state_lock:
             while len(self._tokenizers) >= MAX_TOKENIZERS:  # forget the oldest
                 self._tokenizers.pop(next(iter(self._tokenizers)))
             self._tokenizers[name] = tokenizer
-        return tokenizer
 
     def ready(self) -> bool:
         """Nothing is loading or building (the page stops polling the status)."""

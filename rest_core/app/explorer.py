@@ -12,6 +12,7 @@ from datastores import DatastoreError, Lookup, assemble_stores
 from rest_core.app.decoding import answers_store_for, dense_store_for, static_store_for
 from rest_core.app.engine import Engine
 from rest_core.app.panels import panel
+from rest_core.app.policy import markdown_text
 from rest_core.app.replay import recycled_after, suffix_html
 from rest_core.app.session import Session
 from rest_core.app.settings import Settings
@@ -78,7 +79,7 @@ def explore(engine: Engine, session: Session, settings: Settings, context: str, 
     static, notice = static_store_for(engine, slot, session, settings)
     history = (session.history_store(slot.lm.name, DecodeConfig(retrieve=rs)) if settings.history_store
                else None)
-    model = session.recycle_store(slot.lm) if settings.model_drafts else None
+    model = session.recycle_store(slot) if settings.model_drafts else None
     # the request store holds the context itself (its newest token has nothing after it)
     answers = answers_store_for(engine, slot, settings)
     dense = dense_store_for(slot, settings) if len(ids) > 1 else None
@@ -105,7 +106,7 @@ def explore(engine: Engine, session: Session, settings: Settings, context: str, 
     summary = " · ".join(_found(lk) for lk in lookups)
     summary += f" · draft tree: **{tree.draft_size}** tokens (budget {int(budget)})"
     if notice:
-        summary += "\n\n" + notice
+        summary += "\n\n" + markdown_text(notice, 600)
     step = {"query": [int(t) for t in query], "matched_len": {lk.source: lk.matched_len for lk in lookups},
             "neighbours": _neighbour_texts(lookups, stores, texts)}
     return {"suffix": suffix_html(step, texts), "summary": summary, "continuations": rows,

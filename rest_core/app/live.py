@@ -28,9 +28,10 @@ from rest_core.app.panels import (
     step_ms,
     why_speed_html,
 )
+from rest_core.app.policy import markdown_safe
 from rest_core.app.recording import STORE_ERRORS, Recording
 from rest_core.app.session import Session
-from rest_core.app.settings import FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
+from rest_core.app.settings import DRAW_SETTLE_S, FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
 from rest_core.app.streaming import Throttle, drain, stream_in_thread
 from rest_core.app.turns import Ticket
 from rest_core.compare import first_difference, identical
@@ -39,6 +40,8 @@ from rest_core.traces import figures
 
 V = TypeVar("V")
 TURN_POLL_S = 1.0  # a waiting decode tells its visitor its place in line this often
+CHAT_TURNS_SHOWN = 20  # a public server keeps the newest turns of a visitor's chat on the page (each a message and
+# its answer), whatever the model still reads of them (policy.max_chat_tokens)
 
 @dataclass
 class View:
@@ -71,7 +74,8 @@ class LiveAnswer:
     def __init__(self, engine: Engine, prep: Prepared, recording: Recording, chat: list):
         self.engine, self.recording, self.run_id, self.chat = engine, recording, recording.run_id, chat
         self.steps = StepRows(engine.recorder, self.run_id) if self.run_id is not None else None
-        self.plain_ms = prep.slot.plain_ms()
+        self.slot = prep.slot
+        self.drawing = prep.slot.drawing
         self.tokenizer = prep.slot.lm.tokenizer
         self.curve = prep.forward_curve()
         self.hide = special_texts(self.tokenizer)
@@ -79,6 +83,15 @@ class LiveAnswer:
         self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
         self.latest, self.shown, self.started = -1, -1, 0.0
         self.ids: list[int] = []  # every token decoded so far
+        self.notice = prep.dropped  # what the page says about this answer to its end
+
+    def paces(self) -> tuple[Optional[float], Optional[float]]:
+        """Plain decoding's time per token: (calibrated or measured, measured by a plain decode)."""
+        return self.slot.plain_ms(), self.slot.plain_token_ms
+
+    def metrics(self, rows: list[dict], elapsed_s: float, state: str = "running") -> str:
+        calibrated, measured = self.paces()
+        return metrics_html(rows, elapsed_s, calibrated, state, measured)
 
     def rows(self) -> list[dict]:
         """The steps stored so far (those read before, when the store cannot be read now)."""
@@ -116,13 +129,18 @@ class LiveAnswer:
         self.shown, now = self.latest, self.text.last
         rows = self.rows()
         self.chat[-1]["content"] = self.answer(rows)
-        view = View(chat=self.chat, metrics=metrics_html(rows, now - self.started, self.plain_ms))
-        if rows and not self.recording.stopped and now - self.last_fig >= self.fig_interval:
+        view = View(chat=self.chat, metrics=self.metrics(rows, now - self.started))
+        if not (rows and not self.recording.stopped and now - self.last_fig >= self.fig_interval):
+            yield view
+            return
+        self.drawing.mark(float("inf"))  # from now until the browser has drawn them
+        try:
             view.tree, view.mask, view.speed = self.figures(rows, rows[-1]["step"])
-        yield view
-        if view.tree is not None:  # drawing and sending done: slow machines redraw less often
+            yield view
+        finally:  # built and sent (or the visitor left): slow machines redraw less often
             self.last_fig = time.perf_counter()
-            self.fig_interval = max(FIGURE_INTERVAL_S, (self.last_fig - now) / FIGURE_SHARE)
+            self.drawing.settle(self.last_fig + DRAW_SETTLE_S)
+        self.fig_interval = max(FIGURE_INTERVAL_S, (self.last_fig - now) / FIGURE_SHARE)
 
     def failed(self, err: Exception) -> View:
         text = message_of(err)
@@ -133,17 +151,19 @@ class LiveAnswer:
         rows = self.rows()
         self.chat[-1]["content"] = self.answer(rows)
         stopped = self.recording.stopped or None
-        per_token, how = plain_estimate_ms(rows, self.plain_ms)
+        per_token, how = plain_estimate_ms(rows, *self.paces())
         partial = len(rows) < result.steps  # recording stopped: the figures are those of the recorded steps
         elapsed = sum(step_ms(r) for r in rows) / 1e3 if partial else result.wall_s
-        metrics = metrics_html(rows, elapsed, self.plain_ms, state="done")
+        metrics = self.metrics(rows, elapsed, "done")
         if partial:
             metrics += (f'<div class="metric-note">Figures of the {len(rows)} recorded steps; the whole answer: '
                         f"{len(result.tokens)} tokens in {result.steps} forward passes "
                         f"({result.tokens_per_s:.1f} tokens/s).</div>")
-        view = View(chat=self.chat, metrics=metrics + why_speed_html(rows, per_token, curve=self.curve,
-                                                                     measured=f"estimated from {how}"),
-                    run_id=self.run_id, done=True, notice=stopped or "", warning=stopped)
+        per_pass = 1e3 * elapsed / len(rows) if rows and not partial else None  # the wall time, as a race's
+        view = View(chat=self.chat, metrics=metrics + why_speed_html(rows, per_token, per_pass, self.curve,
+                                                                     f"from {how}"),
+                    run_id=self.run_id, done=True, notice=" ".join(filter(None, [self.notice, stopped])),
+                    warning=stopped)
         if rows:  # the run is over: show its most telling step (the one that accepted most drafts)
             try:
                 run = self.engine.recorder.get_run(self.run_id)
@@ -154,14 +174,14 @@ class LiveAnswer:
 
 
 def _say_in_chat(chat: list, text: str) -> View:
-    chat[-1]["content"] = html.escape(text)
+    chat[-1]["content"] = markdown_safe(text)  # the chat renders Markdown
     return View(chat=chat, notice="")
 
 
 def take_turn(engine: Engine, session: Session, say: Callable[[str], V]) -> Generator[V, None, Ticket]:
     """A place in the line of decodes, waited for (Busy when there is none); yields say(where it is)
     while waiting.  The caller leaves the line in a finally; a visitor who leaves while waiting leaves it."""
-    ticket = engine.turns.join(session.id)
+    ticket = engine.turns.join(session.id, session.address)
     try:
         while not ticket.wait(TURN_POLL_S):
             ahead = ticket.ahead()
@@ -190,14 +210,15 @@ def chat_turn(engine: Engine, session: Session, settings: Settings, message: str
         return
     if settings.mode != "chat":
         session.clear_chat()  # completions are independent: no earlier turns
-    chat = session.chat + [user_bubble(message), {"role": "assistant", "content": "…"}]
+    shown = -2 * CHAT_TURNS_SHOWN if engine.policy.public else None  # a public server shows the newest turns
+    chat = (session.chat + [user_bubble(message), {"role": "assistant", "content": "…"}])[shown:]
     ticket = None
     try:
         ticket = yield from take_turn(engine, session, partial(_say_in_chat, chat))
         yield from _chat_turn(engine, session, settings, message, chat)
     except Exception as err:  # every failure becomes a message in the page
         text = message_of(err)
-        chat[-1]["content"] = f"⚠ {html.escape(text)}"
+        chat[-1]["content"] = f"⚠ {markdown_safe(text)}"
         yield View(chat=chat, notice=text, warning=text, done=True)
     finally:
         if ticket is not None:
@@ -219,8 +240,8 @@ def _chat_turn(engine: Engine, session: Session, settings: Settings, message: st
         return
     session.chat = chat
     if settings.mode == "chat":
-        session.history = session.history + [{"role": "user", "content": message},
-                                             {"role": "assistant", "content": result.text}]
+        session.history = prep.history + [{"role": "user", "content": message},
+                                          {"role": "assistant", "content": result.text}]
     session.remember(prep.slot.lm.name, result.tokens)
     yield answer.finished(result)
 

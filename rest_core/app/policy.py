@@ -24,6 +24,7 @@ from rest_core.app.settings import (
     ANSWERS_NEVER,
     BUILT_IN,
     MAX_UPLOAD_BYTES,
+    MAX_UPLOAD_FILES,
     NO_STATIC,
     UPLOADED,
     Settings,
@@ -73,20 +74,62 @@ def public_reason(env: Mapping[str, str]) -> str:
     return ""
 
 
+# Policy field -> (environment variable, the unit it is given in, its smallest value); README: Public mode
+LIMITS: dict[str, tuple[str, int, int]] = {
+    "max_prompt_chars": ("REST_LAB_MAX_PROMPT_CHARS", 1, 0),
+    "max_new_tokens": ("REST_LAB_MAX_NEW_TOKENS", 1, 0),
+    "max_chat_tokens": ("REST_LAB_MAX_CHAT_TOKENS", 1, 64),
+    "max_upload_bytes": ("REST_LAB_MAX_UPLOAD_MB", 2**20, 1),
+    "max_upload_files": ("REST_LAB_MAX_UPLOAD_FILES", 1, 1),
+    "max_upload_address_bytes": ("REST_LAB_MAX_UPLOAD_ADDRESS_MB", 2**20, 1),
+    "max_upload_address_files": ("REST_LAB_MAX_UPLOAD_ADDRESS_FILES", 1, 1),
+    "max_upload_total_bytes": ("REST_LAB_MAX_UPLOAD_TOTAL_MB", 2**20, 0),
+    "max_upload_total_files": ("REST_LAB_MAX_UPLOAD_TOTAL_FILES", 1, 1),
+    "max_upload_tokens": ("REST_LAB_MAX_UPLOAD_TOKENS", 1, 1000),
+    "session_idle_s": ("REST_LAB_SESSION_IDLE_MIN", 60, 1),
+    "max_sessions": ("REST_LAB_MAX_SESSIONS", 1, 16),
+    "max_sessions_per_address": ("REST_LAB_MAX_SESSIONS_PER_ADDRESS", 1, 1),
+    "max_session_tables": ("REST_LAB_MAX_SESSION_TABLES", 1, 1),
+    "max_waiting": ("REST_LAB_MAX_WAITING", 1, 1),
+    "max_waiting_per_address": ("REST_LAB_MAX_WAITING_PER_ADDRESS", 1, 1),
+    "max_runs_per_visitor": ("REST_LAB_MAX_RUNS_PER_VISITOR", 1, 1),
+    "max_runs_per_address": ("REST_LAB_MAX_RUNS_PER_ADDRESS", 1, 1),
+    "max_runs": ("REST_LAB_MAX_RUNS", 1, 1),
+    "max_trace_bytes": ("REST_LAB_MAX_TRACE_MB", 2**20, 1),
+    "queue_size": ("REST_LAB_QUEUE_SIZE", 1, 16),
+}
+
+
 @dataclass(frozen=True)
 class Policy:
-    """What visitors may ask for: models, sizes, counts.  `public` switches the limits on."""
+    """What visitors may ask for: models, sizes, counts.  `public` switches the limits on.
+
+    A visitor is a session of the page; the limits marked "per address" hold for every session of one
+    client address together (rest_core.app.visitors: the address a trusted proxy forwards, else the
+    connection's), so a client cannot become many visitors by choosing session ids."""
 
     public: bool = False
     reason: str = ""  # why it is public, for the log and the page
     models: tuple[str, ...] = (DEFAULT_MODEL,)  # the models a public server offers
+    trusted_proxies: int = 0  # proxies in front of the server whose X-Forwarded-For entries are believed
     max_prompt_chars: int = 4000  # a prompt or explorer context
     max_new_tokens: int = 256
-    max_upload_bytes: int = MAX_UPLOAD_BYTES  # one visitor's files together
+    max_chat_tokens: int = 2048  # a chat prompt with its earlier turns (the oldest turns are dropped past it)
+    max_upload_bytes: int = MAX_UPLOAD_BYTES  # one visitor's files together (one upload request at most this)
+    max_upload_files: int = MAX_UPLOAD_FILES  # files of one visitor's store (and of one upload request)
+    max_upload_address_bytes: int = 40 * 2**20  # uploaded by one address within session_idle_s
+    max_upload_address_files: int = 400  # files uploaded by one address within session_idle_s
     max_upload_total_bytes: int = 500 * 2**20  # every visitor's files and the page's upload cache together
-    session_idle_s: float = 3600.0  # a visitor's folder is removed after this long untouched
+    max_upload_total_files: int = 10_000  # files in those folders together
+    max_upload_tokens: int = 2_000_000  # tokens of one visitor's uploaded store
+    session_idle_s: float = 3600.0  # a visitor's state and folder are removed after this long untouched
+    max_sessions: int = 500  # sessions whose state the server keeps (the least recently used goes first)
+    max_sessions_per_address: int = 32  # per address (that address's least recently used goes first)
+    max_session_tables: int = 16  # visitors' own tables of the model's predictions (the rest share one)
     max_waiting: int = 12  # decodes waiting for their turn (a visitor has one at a time)
+    max_waiting_per_address: int = 2  # decodes running or waiting per address
     max_runs_per_visitor: int = 30  # recorded runs kept per visitor (oldest pruned)
+    max_runs_per_address: int = 100  # recorded runs kept per address (oldest pruned)
     max_runs: int = 2000  # recorded runs kept in all
     max_trace_bytes: int = 1024 * 2**20  # the trace store's size
     queue_size: int = 256  # requests of every kind waiting in the page's queue
@@ -98,20 +141,12 @@ class Policy:
         reason = public_reason(env)
         named = [env.get("REST_LAB_MODEL") or "", *(env.get("REST_LAB_MODELS") or "").split(",")]
         models = tuple(dict.fromkeys([DEFAULT_MODEL, *(m.strip() for m in named if m.strip())]))
-        mb = 2**20
         base = cls()
-        return cls(public=bool(reason), reason=reason, models=models,
-                   max_prompt_chars=_env_int(env, "REST_LAB_MAX_PROMPT_CHARS", base.max_prompt_chars),
-                   max_new_tokens=_env_int(env, "REST_LAB_MAX_NEW_TOKENS", base.max_new_tokens),
-                   max_upload_bytes=MAX_UPLOAD_BYTES,
-                   max_upload_total_bytes=_env_int(env, "REST_LAB_MAX_UPLOAD_TOTAL_MB", 500) * mb,
-                   session_idle_s=60.0 * _env_int(env, "REST_LAB_SESSION_IDLE_MIN", 60),
-                   max_waiting=max(1, _env_int(env, "REST_LAB_MAX_WAITING", base.max_waiting)),
-                   max_runs_per_visitor=max(1, _env_int(env, "REST_LAB_MAX_RUNS_PER_VISITOR",
-                                                        base.max_runs_per_visitor)),
-                   max_runs=max(1, _env_int(env, "REST_LAB_MAX_RUNS", base.max_runs)),
-                   max_trace_bytes=max(1, _env_int(env, "REST_LAB_MAX_TRACE_MB", 1024)) * mb,
-                   queue_size=max(16, _env_int(env, "REST_LAB_QUEUE_SIZE", base.queue_size)))
+        limits = {name: max(low, _env_int(env, var, int(getattr(base, name)) // unit)) * unit
+                  for name, (var, unit, low) in LIMITS.items()}
+        # on a Space one proxy stands in front of the server and appends the address it was reached from
+        hops = _env_int(env, "REST_LAB_TRUSTED_PROXIES", 1 if env.get("SPACE_ID") else 0)
+        return cls(public=bool(reason), reason=reason, models=models, trusted_proxies=hops, **limits)
 
     def with_public(self, public: bool = True) -> Policy:
         """The same limits, public or private (tests; build_demo's `public`)."""
@@ -173,11 +208,24 @@ def _number(name: str, value: Any, low: float, high: float, whole: bool) -> Any:
     return int(value) if whole else float(value)
 
 
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]|~#@!])")
+_AUTOLINK = re.compile(r"(?i)(www)\.|:(?=//)")  # what starts a link without any markup: www. and scheme://
+
+
+def markdown_escape(text: str) -> str:
+    """HTML (escaped already, or none) read by Markdown as it is: the characters that start emphasis, a link, an
+    image or a heading escaped, bare web addresses kept from turning into links."""
+    text = _MD_SPECIAL.sub(r"\\\1", text)
+    return _AUTOLINK.sub(lambda m: f"{m.group(1)}\\." if m.group(1) else "\\:", text)
+
+
+def markdown_safe(text: str) -> str:
+    """Text shown inside Markdown as it is, on one line: no emphasis, link, image, heading or HTML (line breaks
+    made spaces so that nothing starts a block)."""
+    return markdown_escape(html.escape(" ".join(str(text).splitlines()), quote=False))
 
 
 def markdown_text(text: str, limit: int = 120) -> str:
-    """Text shown inside Markdown as it is (no markup, no HTML), cut to `limit` characters."""
+    """Text shown inside Markdown as it is (`markdown_safe`), on one line, cut to `limit` characters."""
     text = " ".join(str(text).split())
-    text = text if len(text) <= limit else text[: limit - 1] + "…"
-    return _MD_SPECIAL.sub(r"\\\1", html.escape(text, quote=False))
+    return markdown_safe(text if len(text) <= limit else text[: limit - 1] + "…")

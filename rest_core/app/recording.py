@@ -4,7 +4,7 @@ When the trace store fails (full, as on a full disk or past its size limit; lock
 program; unreadable) the decode goes on: the steps already committed stay, later steps are not
 recorded, `stopped` says why (the page shows it) and the run is marked 'partial'.  A run whose
 outcome could not be written is finished later, when the store takes writes again.  On a public
-server, old runs are pruned before each new one (per visitor, in all, and by size).
+server, old runs are pruned before each new one (per visitor, per client address, in all, and by size).
 """
 from __future__ import annotations
 
@@ -75,16 +75,17 @@ def finish_later(engine: Engine) -> None:
         finish_run(engine, run_id, outcome)
 
 
-def start_recording(engine: Engine, owner: str, tokenizer: Any, run: dict) -> Recording:
-    """A new run recorded for visitor `owner` (run: start_run's fields), after making room for it on a
-    public server; when the store refuses, a Recording that records nothing and says why."""
+def start_recording(engine: Engine, owner: str, tokenizer: Any, run: dict, address: str = "") -> Recording:
+    """A new run recorded for visitor `owner` from `address` (a tag; run: start_run's fields), after making room
+    for it on a public server; when the store refuses, a Recording that records nothing and says why."""
     policy = engine.policy
     try:
         rec = engine.recorder
         finish_later(engine)
         if policy.public:
             rec.prune(keep=policy.max_runs, owner=owner, keep_per_owner=policy.max_runs_per_visitor,
-                      max_bytes=policy.max_trace_bytes)
+                      max_bytes=policy.max_trace_bytes, address=address or None,
+                      keep_per_address=policy.max_runs_per_address)
         run_id = rec.start_run(**run)
     except STORE_ERRORS as err:
         log.warning("a run could not be recorded: %s", err)

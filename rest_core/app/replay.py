@@ -13,6 +13,7 @@ from typing import Any, Optional
 from rest_core.app.engine import Engine
 from rest_core.app.markup import token_html
 from rest_core.app.panels import fit, panel
+from rest_core.app.policy import markdown_escape, markdown_text
 from rest_core.app.recording import STORE_ERRORS
 from rest_core.app.session import Session
 from rest_core.app.settings import assets_dir, log
@@ -281,13 +282,14 @@ def _probability_sentence(step: dict) -> str:
 
 
 def explain_step(step: dict, run: dict) -> str:
-    """One paragraph, in plain words, of what happened at a recorded step."""
+    """One paragraph, in plain words, of what happened at a recorded step (Markdown)."""
     committed = len(step["new_tokens"])
-    return (f"**Step {step['step']}.** The context ends with “{token_html(step.get('query_text', ''))}”. "
+    body = (f"The context ends with “{token_html(step.get('query_text', ''))}”. "
             f"{_lookup_sentence(step)} {_tree_sentence(step, run)}{_probability_sentence(step)} "
             f"The step committed {committed} "
             f"token{'s' if committed != 1 else ''} for one forward pass"
             f"{' (plain decoding: one)' if committed > 1 else ''}.")
+    return f"**Step {step['step']}.** {markdown_escape(body)}"  # token texts read as they are, never as markup
 
 
 def suffix_html(step: dict, texts: dict) -> str:
@@ -383,13 +385,32 @@ def node_view(step: dict, run: dict, node: Optional[int] = None) -> dict:
             "node_probs": fit(probs.node_probs_figure(step, node, sampled))}
 
 
+def step_index(source: Any, run: dict, index: Any) -> int:
+    """A step number from the page or the API, checked against the run's steps (ValueError naming the range)."""
+    k, count = whole(index), source.step_count(run["id"])
+    if not 0 <= k < count:
+        raise ValueError(f"Step {k} is not in run {run['id']}: its steps are 0–{count - 1}." if count else
+                         f"Run {run['id']} recorded no step.")
+    return k
+
+
+def node_index(step: dict, node: Any) -> int:
+    """A node of a step from the page or the API (default: where the model parted from the draft), checked against
+    the step's nodes (ValueError naming the range)."""
+    nodes = step["nodes"]
+    n = probs.last_accepted(nodes) if node in (None, "") else whole(node, "node")
+    if not 0 <= n < len(nodes):
+        raise ValueError(f"Node {n} is not in step {step['step']}: its nodes are 0–{len(nodes) - 1}.")
+    return n
+
+
 def node_panel(engine: Engine, session: Session, run_id: Any, index: Any, node: Any) -> dict:
     """The probability bars of one node of a recorded step (a message in the title when there is none)."""
     try:
         run = check_run(engine.recorder, session, run_id)
-        step = reader(engine.recorder, run).load_step(run["id"], int(index or 0))
-        node = max(0, min(int(node or 0), len(step["nodes"]) - 1))
-        return node_view(step, run, node)
+        source = reader(engine.recorder, run)
+        step = source.load_step(run["id"], step_index(source, run, index))
+        return node_view(step, run, node_index(step, node))
     except (KeyError, ValueError, TypeError, *STORE_ERRORS):
         return {"node_choices": [], "node": None, "node_probs": None}
 
@@ -399,11 +420,13 @@ CHECK_DRAWS = 2000  # draws of the sampling check
 
 def check_panel(engine: Engine, session: Session, run_id: Any, index: Any, node: Any) -> Any:
     """The sampling check of one node of a recorded step: many draws with the verifier's rule against the
-    model's recorded distribution (ValueError / KeyError with a message when there is nothing to draw)."""
+    model's recorded distribution (ValueError / KeyError with a message when there is nothing to draw, or the
+    step or node is not in the run)."""
     run = check_run(engine.recorder, session, run_id)
-    step = reader(engine.recorder, run).load_step(run["id"], int(index or 0))
-    node = probs.last_accepted(step["nodes"]) if node in (None, "") else int(node)
-    return fit(probs.sampling_check_figure(probs.sampling_check(step, node, CHECK_DRAWS, seed=int(index or 0))))
+    source = reader(engine.recorder, run)
+    k = step_index(source, run, index)
+    step = source.load_step(run["id"], k)
+    return fit(probs.sampling_check_figure(probs.sampling_check(step, node_index(step, node), CHECK_DRAWS, seed=k)))
 
 
 EMPTY_STEP = {"explanation": "", "suffix": "", "branches": [], "choices": [], "path": "", "tree": None, "mask": None,
@@ -423,10 +446,10 @@ def step_panel(engine: Engine, session: Session, run_id: Any, index: Any) -> dic
             return {**EMPTY_STEP, "explanation": "This run recorded no step."}
         index = max(0, min(whole(index), count - 1))
         tokenizer = KnownTexts(run.get("token_texts")) if run["id"] == EXAMPLE_RUN_ID else \
-            engine.tokenizer_for(run.get("model"))
+            engine.tokenizer_for(run.get("model"), session.id, session.address)
         return step_view(rec, run, index, tokenizer)
     except (KeyError, ValueError) as err:
-        return {**EMPTY_STEP, "explanation": f"⚠ {str(err).strip(chr(39))}"}
+        return {**EMPTY_STEP, "explanation": f"⚠ {markdown_text(str(err).strip(chr(39)), 300)}"}
     except STORE_ERRORS as err:
         return {**EMPTY_STEP, "explanation": f"⚠ The trace store cannot be read now ({type(err).__name__}); "
                                              "try again in a moment."}

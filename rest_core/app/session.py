@@ -16,20 +16,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from datastores import (
     DatastoreError,
     HistoryStore,
     RecycleStore,
     TokenDatastore,
+    TooManyTokens,
     build_datastore,
     cache_dir,
-    default_recycle_path,
     iter_documents,
 )
 from rest_core.app.engine import ModelSlot
-from rest_core.app.settings import MAX_UPLOAD_BYTES, MAX_UPLOAD_FILES, UPLOADED, UploadError, log
+from rest_core.app.policy import Policy, markdown_text
+from rest_core.app.settings import UPLOADED, UploadError, log
 from rest_core.decode import DecodeConfig
-from rest_core.model import LoadedModel
 
 HISTORY_TOKENS = 200_000  # a visitor's history store keeps at most this many tokens of past answers
 
@@ -45,11 +47,12 @@ class Session:
     id: str
     chat: list[dict] = field(default_factory=list)  # what the chatbot shows
     history: list[dict] = field(default_factory=list)  # the same turns as plain text (for the chat template)
-    answers: dict[str, list[list[int]]] = field(default_factory=dict)  # model -> this visitor's past answers
+    answers: dict[str, list[np.ndarray]] = field(default_factory=dict)  # model -> this visitor's past answers
     recycled: dict[str, RecycleStore] = field(default_factory=dict)  # model -> this visitor's successor table
     upload_files: list[str] = field(default_factory=list)
     upload_model: Optional[str] = None  # the model whose tokenizer built the upload store
     run_ids: list[int] = field(default_factory=list)
+    address: str = ""  # the client address of its latest request (rest_core.app.visitors)
 
     @staticmethod
     def ensure(state: Optional[Session], request: Any = None) -> Session:
@@ -82,28 +85,21 @@ class Session:
             store.add(answer)
         return store
 
-    def recycle_store(self, lm: LoadedModel) -> RecycleStore:
+    def recycle_store(self, slot: ModelSlot) -> RecycleStore:
         """This visitor's table of the model's own predictions (source "model"), one per model.
 
-        It starts as a copy of the table command-line and benchmark runs keep for this model (when
-        there is one that fits) and learns from this visitor's decodes only; it is never saved, so a
-        visitor's drafts never come from another visitor's text."""
-        store = self.recycled.get(lm.name)
+        It starts as the table command-line and benchmark runs keep for this model (shared with every other
+        visitor until this one's first decode writes to it: copy on write) and learns from this visitor's
+        decodes only; it is never saved, so a visitor's drafts never come from another visitor's text."""
+        store = self.recycled.get(slot.lm.name)
         if store is None:
-            store = RecycleStore(lm.vocab_size)  # no path: nothing is ever written
-            try:
-                path = default_recycle_path(lm.name, lm.tokenizer)
-                if path.is_file():
-                    store.load(path)
-            except (DatastoreError, OSError) as err:  # a missing or unreadable table: start empty
-                log.info("session %s: starting the model's own predictions empty (%s)", self.id, err)
-            self.recycled[lm.name] = store
+            store = self.recycled[slot.lm.name] = slot.recycle_fork()
         return store
 
     def remember(self, model: str, tokens: list[int]) -> None:
         """Keep an answer for this visitor's history store (the newest HISTORY_TOKENS tokens of answers)."""
         kept = self.answers.setdefault(model, [])
-        kept.append(list(tokens))
+        kept.append(np.asarray(tokens, dtype=np.int32))
         while len(kept) > 1 and sum(map(len, kept)) > HISTORY_TOKENS:
             kept.pop(0)
 
@@ -142,7 +138,7 @@ def _safe_name(name: str, taken: set[str]) -> str:
     return candidate
 
 
-def _check_uploads(paths: list[str], upload_root: Optional[Path]) -> None:
+def _check_uploads(paths: list[str], upload_root: Optional[Path], policy: Policy) -> None:
     """Refuse no files, files from outside the server's uploads, too many or too large files."""
     if not paths:
         raise UploadError("No files uploaded: add one or more text or code files first.")
@@ -151,8 +147,8 @@ def _check_uploads(paths: list[str], upload_root: Optional[Path]) -> None:
         for p in paths:
             if not Path(p).resolve().is_relative_to(root):
                 raise UploadError(f"Refused {Path(p).name!r}: not an uploaded file.")
-    if len(paths) > MAX_UPLOAD_FILES:
-        raise UploadError(f"{len(paths)} files uploaded; at most {MAX_UPLOAD_FILES} are accepted.")
+    if len(paths) > policy.max_upload_files:
+        raise UploadError(f"{len(paths)} files uploaded; at most {policy.max_upload_files} are accepted.")
     sizes = []
     for p in paths:
         try:
@@ -160,9 +156,20 @@ def _check_uploads(paths: list[str], upload_root: Optional[Path]) -> None:
         except OSError:
             raise UploadError(f"The upload {Path(p).name!r} could not be read; upload it again.") from None
     total = sum(sizes)
-    if total > MAX_UPLOAD_BYTES:
-        raise UploadError(f"The uploads hold {total / 2**20:.1f} MB; at most {MAX_UPLOAD_BYTES / 2**20:.0f} MB "
+    if total > policy.max_upload_bytes:
+        raise UploadError(f"The uploads hold {total / 2**20:.1f} MB; at most {policy.max_upload_bytes / 2**20:.0f} MB "
                           "in all are accepted. Upload fewer or smaller files.")
+
+
+def upload_bytes(paths: list[str]) -> int:
+    """Bytes of these files together (missing ones count 0): what copying them into a visitor's folder adds."""
+    total = 0
+    for p in paths:
+        try:
+            total += Path(p).stat().st_size
+        except OSError:
+            pass
+    return total
 
 
 def _read_texts(paths: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
@@ -187,14 +194,16 @@ def _read_texts(paths: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
     return docs, skipped
 
 
-def save_uploads(session: Session, paths: list[str], upload_root: Optional[Path] = None) -> list[tuple[str, str]]:
-    """Check the uploaded files (text, 20 MB in all) and copy them into the visitor's own folder.
+def save_uploads(session: Session, paths: list[str], upload_root: Optional[Path] = None,
+                 policy: Optional[Policy] = None) -> list[tuple[str, str]]:
+    """Check the uploaded files (text; the policy's count and size, 200 files and 20 MB in all by default) and
+    copy them into the visitor's own folder.
 
     `upload_root`: where the server keeps uploads; a path outside it is refused.
     Returns (name, text) per file. Nothing outside the visitor's folder is read again.
     """
     paths = [p for p in (paths or []) if p]
-    _check_uploads(paths, upload_root)
+    _check_uploads(paths, upload_root, policy or Policy())
     docs, skipped = _read_texts(paths)
     shutil.rmtree(session.folder, ignore_errors=True)
     session.files_dir.mkdir(parents=True, exist_ok=True)
@@ -213,26 +222,34 @@ def save_uploads(session: Session, paths: list[str], upload_root: Optional[Path]
     return saved
 
 
-def build_upload_store(session: Session, docs: list[tuple[str, str]], slot: ModelSlot,
-                       progress: bool = True) -> TokenDatastore:
-    """The visitor's own static store, built from their files with the model's tokenizer."""
-    store = build_datastore(session.store_dir, slot.lm.tokenizer, iter_documents(docs, kind="uploads"),
-                            progress=progress, overwrite=True)
-    session.upload_model = slot.lm.name
+def build_upload_store(session: Session, docs: list[tuple[str, str]], tokenizer: Any, model: str,
+                       max_tokens: Optional[int] = None, progress: bool = True) -> TokenDatastore:
+    """The visitor's own static store, built from their files with the tokenizer of `model` (its canonical name);
+    past `max_tokens` tokens the build stops and is refused (UploadError)."""
+    try:
+        store = build_datastore(session.store_dir, tokenizer, iter_documents(docs, kind="uploads"), progress=progress,
+                                overwrite=True, max_tokens=max_tokens, refuse_past=max_tokens is not None)
+    except TooManyTokens:
+        raise UploadError(f"Your files hold more than {max_tokens:,} tokens; this server builds a store of at most "
+                          f"{max_tokens:,} tokens from uploads. Upload fewer or smaller files.") from None
+    session.upload_model = model
     return store
 
 
 def upload_summary(session: Session, store: TokenDatastore) -> str:
+    """The upload box's line once the visitor's store is built (Markdown: the file names are shown as they are)."""
     names = ", ".join(session.upload_files[:8]) + (" …" if len(session.upload_files) > 8 else "")
-    return (f"✓ Your datastore: {store.n_tokens:,} tokens from {len(session.upload_files)} file(s) ({names}), "
-            f"built for {session.upload_model}. Choose “{UPLOADED}” as the datastore to draft from it.")
+    return (f"✓ Your datastore: {store.n_tokens:,} tokens from {len(session.upload_files)} file(s) "
+            f"({markdown_text(names, 400)}), built for {markdown_text(session.upload_model or '')}. Choose "
+            f"“{UPLOADED}” as the datastore to draft from it.")
 
 
-def open_upload_store(session: Session, slot: ModelSlot) -> TokenDatastore:
+def open_upload_store(session: Session, slot: ModelSlot, model: str) -> TokenDatastore:
+    """The visitor's store built from their files, for `model` (its canonical name; `slot` holds it)."""
     if not session.upload_files or not (session.store_dir / "meta.json").is_file():
         raise DatastoreError("No uploaded datastore yet: upload text or code files and press “Build my datastore”.")
-    if session.upload_model != slot.lm.name:
-        raise DatastoreError(f"Your datastore was built for {session.upload_model}, not {slot.lm.name}: "
+    if session.upload_model != model:
+        raise DatastoreError(f"Your datastore was built for {session.upload_model}, not {model}: "
                              "press “Build my datastore” again for this model.")
     # one label for every visitor's uploads: runs never show a server path, and the learned
     # acceptance of uploaded text is shared rather than kept per visitor

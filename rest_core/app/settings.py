@@ -18,10 +18,17 @@ log = logging.getLogger("rest_lab")
 MAX_UPLOAD_BYTES = int(os.environ.get("REST_LAB_MAX_UPLOAD_MB", 20)) * 2**20  # per visitor, all files together
 MAX_UPLOAD_FILES = 200
 MAX_MODELS = int(os.environ.get("REST_LAB_MAX_MODELS", 2))  # models kept in memory at once
-FIGURE_INTERVAL_S = 0.25  # at most 4 figure redraws per second while decoding...
-FIGURE_SHARE = 0.15  # ...and drawing takes at most this share of the time (it competes with the decode)
+# While a decode runs, the live view competes with it for the cores: drawing the figures (here, then in the
+# browser, on the same machine when the page is local) slowed a local chat's tree passes up to 3x.  So the
+# figures are redrawn at most every FIGURE_INTERVAL_S, building them takes at most FIGURE_SHARE of the time, and
+# the steps timed while they are built and drawn (DRAW_SETTLE_S after they are sent) teach the cost curve
+# nothing; the full figures come when the answer is done.
+FIGURE_INTERVAL_S = 2.0
+FIGURE_SHARE = 0.05
+DRAW_SETTLE_S = 1.0
 STORE_WAIT_S = 3.0  # how long a decode waits for the built-in store before going on without it
-TEXT_INTERVAL_S = 0.08  # the streamed answer: at most about 12 updates per second
+STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
+TEXT_INTERVAL_S = 0.25  # the streamed answer: at most 4 updates per second (each re-renders the answer)
 BUILT_IN, UPLOADED, NO_STATIC = "built-in (Python sources)", "my uploaded files", "none"
 # when the general-text store (the model's own answers to varied requests) drafts
 ANSWERS_CHAT, ANSWERS_ALWAYS, ANSWERS_NEVER = "with chat prompts", "always", "never"
@@ -103,11 +110,13 @@ class Settings:
         cfg.validate()
         return cfg
 
-    def record(self, owner: str) -> dict:
-        """What a recorded run keeps about how it was made (owner: the session that made it)."""
+    def record(self, owner: str, address: str = "") -> dict:
+        """What a recorded run keeps about how it was made (owner: the session that made it; address: a tag of
+        its client address, rest_core.app.visitors.address_tag, left out when empty)."""
         return {**self.decode_config().settings(), "chat": self.mode == "chat", "static": self.static,
                 "answers": self.use_answers, "request_store": self.request_store, "history_store": self.history_store,
-                "model_drafts": self.model_drafts, "app_session": owner}
+                "model_drafts": self.model_drafts, "app_session": owner,
+                **({"app_address": address} if address else {})}
 
 
 SETTING_NAMES = tuple(f.name for f in fields(Settings))

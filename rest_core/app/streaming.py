@@ -82,6 +82,26 @@ def drain(stream: Iterator[list], on_batch: Callable[[list], Iterable[T]]) -> Ge
             close()
 
 
+class Disturbance:
+    """When this process took the cores a decode needs for something else (the live view building and sending
+    its figures, and the browser drawing them right after), so that steps timed meanwhile do not teach the cost
+    curve (RestDecoder's `undisturbed`).  Thread-safe enough: one float, written whole."""
+
+    def __init__(self) -> None:
+        self.until = 0.0  # perf_counter time the latest disturbance ends
+
+    def mark(self, until: float) -> None:
+        self.until = max(self.until, until)
+
+    def settle(self, at: float) -> None:
+        """The disturbance marked open-ended ends at `at`."""
+        self.until = at
+
+    def quiet_since(self, since: float) -> bool:
+        """Whether no disturbance overlapped the time from `since` until now."""
+        return self.until < since
+
+
 class Throttle:
     """True at most once per `interval_s` (redraws of the streamed text)."""
 

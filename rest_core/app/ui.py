@@ -19,7 +19,7 @@ import gradio as gr
 from starlette.middleware import Middleware
 
 from rest_core import app as lab
-from rest_core.app.guard import UploadGuard
+from rest_core.app.guard import UploadGuard, UploadLedger, refuse_url_files
 from rest_core.app.page import (
     GPU_WRAPPER,
     Page,
@@ -31,6 +31,7 @@ from rest_core.app.page import (
     on_load,
     on_race,
     on_sampling_check,
+    on_steps_tab,
     on_table,
     open_run_steps,
     pick_history,
@@ -120,8 +121,8 @@ def build_sidebar(page: Page, defaults: lab.Settings) -> None:
                                              "Learned from your decodes (on top of command-line runs'); never "
                                              "saved or shared.")
         with gr.Accordion("Your files → your datastore", open=False):
-            page.uploads = gr.File(file_count="multiple", label="Text or code files (20 MB in all)",
-                                   elem_id="uploads", file_types=UPLOAD_TYPES)
+            page.uploads = gr.File(file_count="multiple", elem_id="uploads", file_types=UPLOAD_TYPES,
+                                   label=f"Text or code files ({policy.max_upload_bytes / 2**20:.0f} MB in all)")
             page.build_btn = gr.Button("Build my datastore", size="sm", elem_id="build-btn")
             page.upload_status = gr.Markdown(upload_note(page.engine.policy), elem_id="upload-status")
         most = policy.max_new_tokens if policy.public else 512
@@ -191,7 +192,7 @@ def build_race_tab(page: Page) -> None:
 
 def build_steps_tab(page: Page) -> None:
     """Step through a recorded run: one panel per phase of the step, in the phases' order."""
-    with gr.Tab("Step through", id="steps"):
+    with gr.Tab("Step through", id="steps") as page.steps_tab:
         with gr.Row():
             page.run_pick = gr.Dropdown([], label="Run", scale=4, elem_id="run-pick", allow_custom_value=False)
             page.refresh_runs = gr.Button("↻ Refresh", scale=0, size="sm")
@@ -221,8 +222,6 @@ def build_steps_tab(page: Page) -> None:
             with gr.Column():
                 gr.Markdown(phase_heading("verify", "commit"), elem_classes="phase-head")
                 page.path = gr.HTML(elem_id="step-path")
-                page.choices = gr.Dataframe(headers=lab.CHOICE_HEADERS, interactive=False, max_height=300, wrap=True,
-                                            column_widths=["7%", "7%", "13%", "11%", "8%", "9%", "13%", "24%", "8%"])
                 page.node_pick = gr.Dropdown([], label="The model's probabilities after node", elem_id="node-pick",
                                              info="✓ = on the accepted path; the node where the model parted from "
                                                   "the draft is shown first")
@@ -230,6 +229,11 @@ def build_steps_tab(page: Page) -> None:
                 page.check_btn = gr.Button("Draw this node 2,000 times: is sampling exact?", size="sm",
                                            elem_id="sample-check-btn")
                 page.check_plot = gr.Plot(show_label=False, elem_id="sample-check")
+        # the model's choice at every drafted node: nine columns, so the whole width (in a half column the
+        # headers broke inside words)
+        page.choices = gr.Dataframe(headers=lab.CHOICE_HEADERS, interactive=False, max_height=320, wrap=True,
+                                    elem_id="step-choices", label="The model's choice at every node of the draft tree",
+                                    column_widths=["6%", "6%", "12%", "11%", "7%", "8%", "14%", "28%", "8%"])
         build_what_if(page)
         page.play_timer = gr.Timer(1.5, active=False)
         page.playing = gr.State(False)
@@ -288,7 +292,7 @@ def wire_page(page: Page) -> None:
                            concurrency_limit=None, api_visibility="private")
     page.build_btn.click(bound(on_build, page), [page.uploads, page.session, page.settings["model"]],
                          [page.upload_status, page.settings["static"], page.session, page.notice],
-                         api_name="build_datastore", concurrency_id="build", concurrency_limit=1)
+                         api_name="build_datastore", concurrency_id="model", concurrency_limit=decode_handlers(page))
     chat_event = page.message.submit(
         bound(on_chat, page), [page.message, page.session, *page.settings.values()],
         [page.chatbot, page.tree_plot, page.mask_plot, page.speed_plot, page.metrics, page.notice, page.message,
@@ -319,7 +323,7 @@ def wire_replay(page: Page) -> None:
     step_out = [page.explanation, page.suffix, page.branches, page.choices, page.path, page.step_tree,
                 page.step_mask, page.node_probs, page.node_pick, page.session]
     private = dict(api_visibility="private")
-    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.tour_at, page.session],
+    page.run_pick.change(bound(open_run_steps, page), [page.run_pick, page.session],
                          [page.step_slider, page.play_timer, page.playing, page.play], **private).then(
         bound(show_step, page), step_in, step_out, **private)
     page.step_slider.change(bound(show_step, page), step_in, step_out, api_name="step", trigger_mode="always_last",
@@ -338,6 +342,8 @@ def wire_replay(page: Page) -> None:
                                                            page.play], show_progress="hidden", **private)
     page.refresh_runs.click(bound(refresh_runs, page), [page.session], [page.run_pick], **private)
     page.refresh_table.click(bound(on_table, page), [page.session], [page.runs_table, page.session], api_name="runs")
+    page.steps_tab.select(bound(on_steps_tab, page), [page.run_pick, page.session], [page.run_pick, page.session],
+                          **private)
     page.history_tab.select(bound(on_table, page), [page.session], [page.runs_table, page.session], **private)
     page.runs_table.select(bound(pick_history, page), [page.session],
                            [page.history_text, page.history_speed, page.history_accept, page.history_phases,
@@ -345,24 +351,30 @@ def wire_replay(page: Page) -> None:
     page.open_steps.click(bound(to_steps_tab, page), None, [page.tabs], **private)
     explore_in = [page.explore_text, page.explore_budget, page.session, *page.settings.values()]
     explore_out = [page.explore_summary, page.explore_suffix, page.explore_rows, page.explore_tree, page.session]
-    page.explore_btn.click(bound(on_explore, page), explore_in, explore_out, api_name="explore", concurrency_limit=2)
-    page.explore_text.submit(bound(on_explore, page), explore_in, explore_out, concurrency_limit=2, **private)
+    line = dict(concurrency_id="model", concurrency_limit=decode_handlers(page))  # it takes a turn in the line
+    page.explore_btn.click(bound(on_explore, page), explore_in, explore_out, api_name="explore", **line)
+    page.explore_text.submit(bound(on_explore, page), explore_in, explore_out, **line, **private)
 
 
 def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Callable] = None,
                cost_factory: Optional[Callable] = None, trace_db: Optional[str] = None, preload: bool = True,
-               defaults: Optional[lab.Settings] = None, policy: Optional[Policy] = None) -> gr.Blocks:
-    """The page. Factories replace the default model, built-in store and cost model (tests);
+               defaults: Optional[lab.Settings] = None, policy: Optional[Policy] = None,
+               **engine_options: Any) -> gr.Blocks:
+    """The page. Factories replace the default model, built-in store and cost model (tests; `engine_options`:
+    the Engine's others, answers_factory and tokenizer_factory);
     `defaults` sets the controls' initial values; `preload` loads the default model and store
     in the background when the first page opens; `policy` (default: from the environment) says
-    whether the server is public and its limits. Nothing is read or written until it is used."""
+    whether the server is public and its limits (then a visitor's state expires after the idle
+    time, the page's queue holds at most queue_size requests, uploads are counted in a ledger and
+    a web address is refused as a file). Nothing is read or written until it is used."""
     policy = policy or Policy.from_env()
     page = Page(lab.Engine(lm_factory=lm_factory, store_factory=store_factory, cost_factory=cost_factory,
-                       trace_db=trace_db, policy=policy), preload)
+                           trace_db=trace_db, policy=policy, **engine_options), preload)
     cleanup = (600, max(600, int(policy.session_idle_s))) if policy.public else None  # Gradio's upload cache
     with gr.Blocks(title="REST Lab", fill_width=True, delete_cache=cleanup) as demo:
         demo.engine, page.demo = page.engine, demo
-        page.session = gr.State(None, delete_callback=lab.discard_session)
+        page.session = gr.State(None, delete_callback=lab.discard_session,
+                                time_to_live=policy.session_idle_s if policy.public else None)
         build_sidebar(page, defaults or lab.Settings())
         with gr.Row(equal_height=False):
             gr.Markdown(INTRO, elem_classes="intro")
@@ -382,23 +394,26 @@ def build_demo(lm_factory: Optional[Callable] = None, store_factory: Optional[Ca
         wire_page(page)
         wire_replay(page)
         wire_teach(page, decode_handlers(page))
+    demo.page = page
+    if policy.public:
+        page.uploads_ledger = UploadLedger(policy, lambda: [lab.sessions_root(), Path(demo.GRADIO_CACHE)])
+        refuse_url_files(page.uploads)
+        demo.queue(max_size=policy.queue_size)
     return demo
 
 
 def launch(app: gr.Blocks, **options: Any) -> Any:
     """Launch with the page's look and upload limit (tests pass prevent_thread_lock, a port...);
     session folders a previous server left behind are removed first.  A public server's upload
-    route is guarded (rest_core.app.guard)."""
+    route is guarded (rest_core.app.guard) and it keeps the state of at most max_sessions sessions."""
     lab.prune_sessions()
     options.setdefault("show_error", True)  # a value the page's controls refuse gets its reason, not "error"
     policy = app.engine.policy
     if policy.public:
-        def roots() -> list[Path]:
-            return [lab.sessions_root(), Path(app.GRADIO_CACHE)]
-
         kwargs = options.get("app_kwargs", {})
-        guard = Middleware(UploadGuard, policy=policy, roots=roots)
+        guard = Middleware(UploadGuard, ledger=app.page.uploads_ledger)
         options["app_kwargs"] = {**kwargs, "middleware": [*kwargs.get("middleware", []), guard]}
+        options.setdefault("state_session_capacity", policy.max_sessions)
         log.warning("public mode (%s): models %s; limits in the README's \"Public mode\"",
                     policy.reason or "asked for", ", ".join(policy.models))
     return app.launch(**{**LAUNCH_OPTIONS, **options})

@@ -135,8 +135,10 @@ CREATE TABLE IF NOT EXISTS branches (
 );
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs(status);
 CREATE INDEX IF NOT EXISTS runs_by_owner ON runs(json_extract(settings, '$.app_session'));
+CREATE INDEX IF NOT EXISTS runs_by_address ON runs(json_extract(settings, '$.app_address'));
 """
 OWNER = "json_extract(settings, '$.app_session')"  # the app visitor who recorded a run (NULL: outside the app)
+ADDRESS = "json_extract(settings, '$.app_address')"  # a tag of that visitor's client address (NULL: none)
 
 _STEP_LIST_COLUMNS = ", ".join(c for c in STEP_COLUMNS if c != "tree_mask")  # what load_steps reads
 
@@ -320,17 +322,20 @@ class TraceRecorder:
         return (pages - free) * size
 
     def prune(self, *, keep: int, owner: Optional[str] = None, keep_per_owner: Optional[int] = None,
-              max_bytes: Optional[int] = None) -> list[int]:
-        """Make room for one more run: remove the oldest finished runs beyond `keep_per_owner` of `owner`'s,
-        beyond `keep` in all, and, while more than 3/4 of `max_bytes` is in use, more of the oldest.
-        Runs still running are never removed.  Returns the removed ids."""
+              max_bytes: Optional[int] = None, address: Optional[str] = None,
+              keep_per_address: Optional[int] = None) -> list[int]:
+        """Make room for one more run: remove the oldest finished runs beyond `keep_per_owner` of `owner`'s, beyond
+        `keep_per_address` of those recorded from `address` (a tag), beyond `keep` in all, and, while more than 3/4
+        of `max_bytes` is in use, more of the oldest.  Runs still running are never removed.  Returns the removed
+        ids."""
         removed: list[int] = []
         finished = "status != 'running'"
-        if owner is not None and keep_per_owner is not None:
-            ids = [r[0] for r in self.db.execute(
-                f"SELECT id FROM runs WHERE {OWNER} = ? AND {finished} ORDER BY id DESC LIMIT -1 OFFSET ?",
-                [owner, max(0, keep_per_owner - 1)]).fetchall()]
-            removed += ids
+        for column, value, kept in ((OWNER, owner, keep_per_owner), (ADDRESS, address, keep_per_address)):
+            if value is not None and kept is not None:
+                ids = [r[0] for r in self.db.execute(
+                    f"SELECT id FROM runs WHERE {column} = ? AND {finished} ORDER BY id DESC LIMIT -1 OFFSET ?",
+                    [value, max(0, kept - 1)]).fetchall()]
+                removed += [i for i in ids if i not in removed]
         ids = [r[0] for r in self.db.execute(
             f"SELECT id FROM runs WHERE {finished} ORDER BY id DESC LIMIT -1 OFFSET ?", [max(0, keep - 1)])]
         removed += [i for i in ids if i not in removed]
