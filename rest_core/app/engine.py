@@ -15,7 +15,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,7 +26,7 @@ from rest_core.app.policy import Policy, markdown_text
 from rest_core.app.settings import MAX_MODELS, STORE_RETRY_S, log, message_of
 from rest_core.app.slots import CostFactory, ModelSlot, StoreSlot
 from rest_core.app.status import status_text, store_progress
-from rest_core.app.turns import Busy, Turns
+from rest_core.app.turns import Busy, Turns, between_decodes
 from rest_core.cost import CostModel
 from rest_core.hidden import open_model_dense
 from rest_core.model import DEFAULT_MODEL, LoadedModel, ModelLoadError, generate_batch, load_model, load_tokenizer
@@ -35,7 +36,6 @@ MAX_TOKENIZERS = 8  # tokenizers kept for replaying runs of models that are not 
 AnswersFactory = Callable[[ModelSlot, Callable[[], None], StoreSlot], Any]  # (slot, pause, its StoreSlot) -> store
 # (slot, turn) -> store; every model pass of the build runs inside `with turn():`, which holds the model's lock
 DenseFactory = Callable[[ModelSlot, Callable[[], AbstractContextManager]], Any]
-TURN_GAP_S = 0.02  # between two chunks of the dense build: time for a waiting decode to take the model
 MAX_LOAD_ERRORS = 3  # the status line names the latest failed loads only
 TRACE_BUSY_S = 5.0  # how long a write waits for a trace store another program holds
 TOKENIZER_WAIT_S = 120.0  # how long loading a tokenizer for a replay waits for its turn (then ids are shown)
@@ -278,17 +278,9 @@ class Engine:
             st.finished.set()
             return
         st.state, st.started = "building", time.time()
-
-        @contextmanager
-        def turn():
-            time.sleep(TURN_GAP_S)  # a decode woken by the last chunk's release takes the lock now
-            while slot.lock.locked():
-                time.sleep(0.05)
-            with slot.lock:
-                yield
         try:
             slot.static.finished.wait()  # one build at a time on these cores
-            st.store = self.dense_factory(slot, turn)
+            st.store = self.dense_factory(slot, partial(between_decodes, slot.lock))
             st.state = "ready" if st.store is not None else "off"
         except Exception as err:  # shown on the page
             st.error, st.state, st.failed_at = message_of(err), "failed", time.time()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Optional
 
 
@@ -94,3 +96,17 @@ class Turns:
     def __len__(self) -> int:
         with self._cond:
             return len(self._line)
+
+
+TURN_GAP_S = 0.02  # between two chunks of background work: time for a decode that waits to take the model
+
+
+@contextmanager
+def between_decodes(lock: threading.Lock) -> Iterator[None]:
+    """Hold a model's `lock` for one chunk of background work (the dense store's build), letting a decode that
+    waits for the model go first: one released by the last chunk takes the lock during the gap."""
+    time.sleep(TURN_GAP_S)
+    while lock.locked():
+        time.sleep(0.05)
+    with lock:
+        yield
