@@ -144,9 +144,12 @@ def test_unknown_model_offline_is_a_clear_message(tmp_path, session, monkeypatch
     assert "no-such-org/no-such-model-xyz" in engine.status()
 
 
-def test_stopping_a_decode_ends_it_and_marks_the_run(engine, session):
+def test_stopping_a_decode_ends_it_and_marks_the_run(engine, session, monkeypatch):
     import time
 
+    from rest_core.app import live
+
+    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)  # live figures at once: the decode is stopped mid-way
     turn = sup.chat_turn(engine, session, replace(TINY, max_new_tokens=200), PROMPT)
     for view in turn:
         if view.tree is not None:
