@@ -152,7 +152,8 @@ def test_a_damaged_store_is_refused_with_the_fix(tiny_lm, tmp_path):
 
 
 def test_a_recorded_step_keeps_the_neighbours_and_the_step_through_shows_them(tiny_lm, tiny_dense, tmp_path):
-    from rest_core.app.replay import explain_step, suffix_html
+    from rest_core.app.explain import explain_step
+    from rest_core.app.replay import suffix_html
     from rest_core.traces.recorder import TraceRecorder
     from rest_core.traces.rows import step_trace
 

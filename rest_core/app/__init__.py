@@ -26,7 +26,7 @@ Public face:
   tour over the example run that ships with the page (replay's `example_run`).
 
 Modules import downstream only: settings → policy → status, visitors, turns, streaming → slots → engine →
-session → recording → decoding / panels → live, replay → whatif → whatif_view, tour, explorer → page
+session → recording → decoding / panels, markup → explain → live, replay → whatif → whatif_view, tour, explorer → page
 → ui_teach → ui; guard after session.
 """
 from rest_core.app.engine import Engine

@@ -11,9 +11,10 @@ import numpy as np
 from datastores import DatastoreError, Lookup, assemble_stores
 from rest_core.app.decoding import answers_store_for, dense_store_for, static_store_for
 from rest_core.app.engine import Engine
+from rest_core.app.explain import recycled_after
 from rest_core.app.panels import panel
 from rest_core.app.policy import markdown_text
-from rest_core.app.replay import recycled_after, suffix_html
+from rest_core.app.replay import suffix_html
 from rest_core.app.session import Session
 from rest_core.app.settings import Settings
 from rest_core.decode import DecodeConfig, PromptError, aggregate_branches
