@@ -133,23 +133,25 @@ def fresh_page(browser, port: int, width: int):
     return page
 
 
-def race(page, db: Path, prompt: str) -> int:
-    page.get_by_role("tab", name="Race").click()
-    page.fill("#race-prompt textarea", prompt)
+def submit(page, db: Path, tab: str, box: str, button: str, prompt: str) -> int:
+    """Type `prompt` into `box` of `tab`, press `button`; the id of the run it recorded, once done."""
+    page.get_by_role("tab", name=tab).click()
+    if tab == "Chat":
+        page.get_by_role("button", name="Clear chat").click()  # a chat turn like the race's: no earlier turns
+    page.fill(box, prompt)
     before = latest_run(db)
-    page.click("#race-btn")
-    run_id = new_done_run(db, before)
+    page.click(button)
+    return new_done_run(db, before)
+
+
+def race(page, db: Path, prompt: str) -> int:
+    run_id = submit(page, db, "Race", "#race-prompt textarea", "#race-btn", prompt)
     page.wait_for_function("() => /×/.test(document.querySelector('#race-verdict').innerText)", timeout=WAIT_MS)
     return run_id
 
 
 def chat(page, db: Path, prompt: str) -> int:
-    page.get_by_role("tab", name="Chat").click()
-    page.get_by_role("button", name="Clear chat").click()  # a chat turn like the race's: no earlier turns
-    page.fill("#prompt textarea", prompt)
-    before = latest_run(db)
-    page.click("#prompt button.submit-button")
-    run_id = new_done_run(db, before)
+    run_id = submit(page, db, "Chat", "#prompt textarea", "#prompt button.submit-button", prompt)
     page.wait_for_selector('#metrics [data-state="done"]', timeout=WAIT_MS)
     return run_id
 
