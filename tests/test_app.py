@@ -885,3 +885,35 @@ def test_the_first_live_figures_wait_a_redraw_interval_after_the_decode_began(en
     monkeypatch.setattr(live, "TEXT_INTERVAL_S", 0.0)
     views = run_turn(engine, session, TINY, PROMPT)
     assert len(views) > 3 and all(v.tree is None for v in views[:-1]) and views[-1].tree is not None
+
+
+def test_a_redraws_cost_on_the_decode_is_the_extra_forward_time_of_the_steps_it_overlapped():
+    """Steps 3 and 4 ran while the browser drew figures (0.2 s and 0.05 s longer than a pass of their size
+    takes); the others set what a pass of each size takes here, relative to the cost curve."""
+    from rest_core.app.live import redraw_cost_s
+
+    def curve(q):
+        return 30.0 + 2.0 * q
+
+    rows = [{"step": i, "draft_size": q, "t_forward_ms": 1.1 * curve(q + 1)} for i, q in enumerate([0, 4, 8, 2, 6, 5])]
+    rows[3]["t_forward_ms"] += 200.0
+    rows[4]["t_forward_ms"] += 50.0
+    assert redraw_cost_s(rows, {3, 4}, curve) == pytest.approx(0.25)
+    assert redraw_cost_s(rows, {1}, curve) == pytest.approx(0.0)  # an undisturbed pace costs nothing
+    assert redraw_cost_s(rows[:1], {0}, curve) == 0.0  # nothing to compare with
+
+
+def test_a_costly_redraw_spaces_the_next_ones(engine, session, monkeypatch):
+    """When the latest redraw cost the decode much (a browser on the same cores), the next answer's live figures
+    wait for that cost / FIGURE_SHARE; with no cost they come at the page's interval."""
+    from rest_core.app import live
+
+    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(live, "TEXT_INTERVAL_S", 0.0)
+    slot = engine.model("tiny")
+    slot.drawing.cost_s = 30.0  # half a minute of the decode per redraw: 600 s between redraws
+    views = run_turn(engine, session, TINY, PROMPT)
+    assert all(v.tree is None for v in views[:-1]) and views[-1].tree is not None
+    slot.drawing.cost_s = 0.0
+    views = run_turn(engine, session, TINY, PROMPT)
+    assert any(v.tree is not None for v in views[:-1])

@@ -7,6 +7,7 @@ never slows the decode much.
 from __future__ import annotations
 
 import html
+import statistics
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -64,6 +65,20 @@ def special_texts(tokenizer: Any) -> frozenset:
     return frozenset(getattr(tokenizer, "all_special_tokens", None) or ())
 
 
+def redraw_cost_s(rows: list[dict], disturbed: set, curve: Optional[Callable[[int], float]]) -> float:
+    """Seconds the `disturbed` steps' forward passes took beyond an undisturbed pass over a tree of their size
+    (the other steps of `rows`, scaled to the cost curve when there is one)."""
+    def size_cost(row: dict) -> float:
+        return curve(int(row["draft_size"]) + 1) if curve is not None else 1.0
+
+    timed = [r for r in rows if r.get("t_forward_ms")]
+    quiet = [r["t_forward_ms"] / size_cost(r) for r in timed if r["step"] not in disturbed]
+    if not quiet:
+        return 0.0
+    scale = statistics.median(quiet)
+    return sum(max(0.0, r["t_forward_ms"] - scale * size_cost(r)) for r in timed if r["step"] in disturbed) / 1e3
+
+
 # ---------------------------------------------------------------- a chat turn
 
 class LiveAnswer:
@@ -80,7 +95,10 @@ class LiveAnswer:
         self.curve = prep.forward_curve()
         self.hide = special_texts(self.tokenizer)
         self.text = Throttle(TEXT_INTERVAL_S)
-        self.fig_interval, self.last_fig = FIGURE_INTERVAL_S, 0.0
+        # redraws are spaced by what they cost: building them here, and what the latest one cost the decode
+        self.build_s, self.last_fig = 0.0, 0.0
+        self.fig_interval = max(FIGURE_INTERVAL_S, self.drawing.cost_s / FIGURE_SHARE)
+        self.disturbed: set[int] = set()  # steps that ran while figures were built, sent and drawn
         self.latest, self.shown, self.started = -1, -1, 0.0
         self.ids: list[int] = []  # every token decoded so far
         self.notice = prep.dropped  # what the page says about this answer to its end
@@ -122,12 +140,15 @@ class LiveAnswer:
                 self.started = self.last_fig = value
             elif kind == "step":
                 self.latest = value
+                if not self.drawing.quiet_since(time.perf_counter()):
+                    self.disturbed.add(value)
             elif kind == "tokens":
                 self.ids += value
         if self.latest <= self.shown or not self.text.ready():
             return
         self.shown, now = self.latest, self.text.last
         rows = self.rows()
+        self.weigh_redraw(rows, now)
         self.chat[-1]["content"] = self.answer(rows)
         view = View(chat=self.chat, metrics=self.metrics(rows, now - self.started))
         if not (rows and not self.recording.stopped and now - self.last_fig >= self.fig_interval):
@@ -140,7 +161,19 @@ class LiveAnswer:
         finally:  # built and sent (or the visitor left): slow machines redraw less often
             self.last_fig = time.perf_counter()
             self.drawing.settle(self.last_fig + DRAW_SETTLE_S)
-        self.fig_interval = max(FIGURE_INTERVAL_S, (self.last_fig - now) / FIGURE_SHARE)
+        self.build_s = self.last_fig - now
+        self.fig_interval = max(FIGURE_INTERVAL_S, (self.build_s + self.drawing.cost_s) / FIGURE_SHARE)
+
+    def weigh_redraw(self, rows: list[dict], now: float) -> None:
+        """Once the latest redraw is over, what it cost the decode (the extra forward time of the steps that
+        ran meanwhile: with the browser on the same machine, its drawing takes the decode's cores), kept on
+        the model's slot for the next answers; the next redraw waits accordingly."""
+        if not self.disturbed or not rows or not self.drawing.quiet_since(now):
+            return
+        over = {s for s in self.disturbed if s <= rows[-1]["step"]}
+        self.disturbed -= over
+        self.drawing.cost_s = redraw_cost_s(rows, over, self.curve)
+        self.fig_interval = max(FIGURE_INTERVAL_S, (self.build_s + self.drawing.cost_s) / FIGURE_SHARE)
 
     def failed(self, err: Exception) -> View:
         text = message_of(err)

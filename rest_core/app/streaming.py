@@ -89,6 +89,7 @@ class Disturbance:
 
     def __init__(self) -> None:
         self.until = 0.0  # perf_counter time the latest disturbance ends
+        self.cost_s = 0.0  # what the latest measured redraw cost the decode (its steps' extra forward time)
 
     def mark(self, until: float) -> None:
         self.until = max(self.until, until)
