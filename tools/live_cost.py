@@ -3,7 +3,8 @@
 Starts the app (the default model and stores; a private trace store, everything else from the real cache),
 opens it in Debian's Chromium as a visitor on the same machine would, and for each prompt runs a race (plain and
 REST in turn, REST timed by its own steps) and the same prompt in the Chat tab (REST with the live view), each as a new
-visitor (a page of its own: neither drafts from the other's answer), in turn first; one chat warms the process up.
+visitor (a page of its own: neither drafts from the other's answer), in turn first; one chat warms the process up
+(long enough for a live redraw, so the page has learned what a redraw costs, as after a visitor's first answer).
 Both are recorded, so the trace store tells for each: tokens per second, tokens per pass, the forward pass's
 milliseconds per step and the step's whole time.  Reports per prompt the Chat tab's REST tokens/s over the
 race's, its forward ms per step over the race's for the same tree sizes, and the Chat tab's estimated speedup
@@ -38,7 +39,7 @@ from rest_core.machine import code_version, cpu_info  # noqa: E402
 PROMPTS = ("How can I improve my time management skills? Give three tips.",
            "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
            "Give me three tips for learning a new language.")
-WARM_UP = "Say hello in three languages."
+WARM_UP = "Write a short poem about the sea, in four verses."  # long enough for a live redraw (its cost is learned)
 CHROMIUM = "/usr/bin/chromium"
 WAIT_MS = 900_000
 SERVER = """
