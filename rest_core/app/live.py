@@ -97,14 +97,13 @@ class LiveAnswer:
         self.text = Throttle(TEXT_INTERVAL_S)
         # redraws are spaced by what they cost: building them here, and what the latest one cost the decode
         self.build_s, self.last_fig = 0.0, 0.0
-        self.fig_interval = max(FIGURE_INTERVAL_S, self.drawing.cost_s / FIGURE_SHARE)
         self.disturbed: set[int] = set()  # steps that ran while figures were built, sent and drawn
         self.latest, self.shown, self.started = -1, -1, 0.0
         self.ids: list[int] = []  # every token decoded so far
         self.notice = prep.dropped  # what the page says about this answer to its end
 
     def paces(self) -> tuple[Optional[float], Optional[float]]:
-        """Plain decoding's time per token: (calibrated or measured, measured by a plain decode)."""
+        """Plain decoding's time per token: (a one-token pass as calibrated, as measured by a plain decode)."""
         return self.slot.plain_ms(), self.slot.plain_token_ms
 
     def metrics(self, rows: list[dict], elapsed_s: float, state: str = "running") -> str:
@@ -162,7 +161,6 @@ class LiveAnswer:
             self.last_fig = time.perf_counter()
             self.drawing.settle(self.last_fig + DRAW_SETTLE_S)
         self.build_s = self.last_fig - now
-        self.fig_interval = max(FIGURE_INTERVAL_S, (self.build_s + self.drawing.cost_s) / FIGURE_SHARE)
 
     def weigh_redraw(self, rows: list[dict], now: float) -> None:
         """Once the latest redraw is over, what it cost the decode (the extra forward time of the steps that
@@ -173,7 +171,12 @@ class LiveAnswer:
         over = {s for s in self.disturbed if s <= rows[-1]["step"]}
         self.disturbed -= over
         self.drawing.cost_s = redraw_cost_s(rows, over, self.curve)
-        self.fig_interval = max(FIGURE_INTERVAL_S, (self.build_s + self.drawing.cost_s) / FIGURE_SHARE)
+
+    @property
+    def fig_interval(self) -> float:
+        """Seconds between two redraws: what one costs (built here, and the decode's time the latest one took)
+        over the share of the time they may take, at least FIGURE_INTERVAL_S."""
+        return max(FIGURE_INTERVAL_S, (self.build_s + self.drawing.cost_s) / FIGURE_SHARE)
 
     def failed(self, err: Exception) -> View:
         text = message_of(err)

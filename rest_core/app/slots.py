@@ -98,7 +98,7 @@ class ModelSlot:
         return next((c.forward_ms for c in list(self.costs.values()) if hasattr(c, "forward_ms")), None)
 
     def plain_ms(self) -> Optional[float]:
-        """Plain decoding's time per token as measured in this process (`plain_token_ms`), else a one-token
-        forward pass as calibrated, when a cost model exists already."""
+        """A one-token forward pass as calibrated, when a cost model exists already (plain decoding as measured
+        is `plain_token_ms`)."""
         curve = self.forward_curve()
-        return self.plain_token_ms or (curve(1) if curve is not None else None)
+        return curve(1) if curve is not None else None
