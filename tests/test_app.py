@@ -147,9 +147,9 @@ def test_unknown_model_offline_is_a_clear_message(tmp_path, session, monkeypatch
 def test_stopping_a_decode_ends_it_and_marks_the_run(engine, session, monkeypatch):
     import time
 
-    from rest_core.app import live
+    from rest_core.app import pacing
 
-    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)  # live figures at once: the decode is stopped mid-way
+    monkeypatch.setattr(pacing, "FIGURE_INTERVAL_S", 0.0)  # live figures at once: the decode is stopped mid-way
     turn = sup.chat_turn(engine, session, replace(TINY, max_new_tokens=200), PROMPT)
     for view in turn:
         if view.tree is not None:
@@ -523,9 +523,9 @@ def test_module_builds_the_page():
 
 
 def test_api_chat_streams_figures(served, monkeypatch):
-    from rest_core.app import live
+    from rest_core.app import pacing
 
-    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)  # the tiny decode is over before the page's interval
+    monkeypatch.setattr(pacing, "FIGURE_INTERVAL_S", 0.0)  # the tiny decode is over before the page's interval
     demo, url, Client = served
     client = Client(url, verbose=False)
     job = client.submit(PROMPT, *settings_args(TINY), api_name="/chat")
@@ -827,10 +827,10 @@ def test_live_redraws_mark_the_model_disturbed_while_they_are_built_and_drawn(en
     """While the live view builds and sends its figures (and the browser draws them, DRAW_SETTLE_S after), the
     model's slot says the cores were taken, so the steps timed then teach the cost curve nothing; afterwards it
     says so no longer."""
-    from rest_core.app import live
+    from rest_core.app import live, pacing
 
-    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)  # redraw at every chance (a tiny decode is quick)
-    monkeypatch.setattr(live, "TEXT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(pacing, "FIGURE_INTERVAL_S", 0.0)  # redraw at every chance (a tiny decode is quick)
+    monkeypatch.setattr(pacing, "TEXT_INTERVAL_S", 0.0)
     seen = []
     figures = live.LiveAnswer.figures
 
@@ -843,7 +843,7 @@ def test_live_redraws_mark_the_model_disturbed_while_they_are_built_and_drawn(en
     assert final.done and seen and not any(seen)
     drawing = engine.model("tiny").drawing
     assert drawing.until < float("inf") and drawing.quiet_since(drawing.until + 1e-6)
-    assert drawing.until - time.perf_counter() <= live.DRAW_SETTLE_S  # settled: it ends a moment after the last draw
+    assert drawing.until - time.perf_counter() <= pacing.DRAW_SETTLE_S  # settled: it ends a moment after the last draw
 
 
 def test_the_chat_estimates_its_speedup_against_plain_decoding_as_measured(engine, session, monkeypatch):
@@ -879,10 +879,10 @@ def test_the_chat_estimates_its_speedup_against_plain_decoding_as_measured(engin
 def test_the_first_live_figures_wait_a_redraw_interval_after_the_decode_began(engine, session, monkeypatch):
     """No figures at the very first steps (the browser would draw them while the decode is getting going);
     the finished answer has them."""
-    from rest_core.app import live
+    from rest_core.app import pacing
 
-    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 60.0)  # longer than the tiny decode, shorter than uptime
-    monkeypatch.setattr(live, "TEXT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(pacing, "FIGURE_INTERVAL_S", 60.0)  # longer than the tiny decode, shorter than uptime
+    monkeypatch.setattr(pacing, "TEXT_INTERVAL_S", 0.0)
     views = run_turn(engine, session, TINY, PROMPT)
     assert len(views) > 3 and all(v.tree is None for v in views[:-1]) and views[-1].tree is not None
 
@@ -890,7 +890,7 @@ def test_the_first_live_figures_wait_a_redraw_interval_after_the_decode_began(en
 def test_a_redraws_cost_on_the_decode_is_the_extra_forward_time_of_the_steps_it_overlapped():
     """Steps 3 and 4 ran while the browser drew figures (0.2 s and 0.05 s longer than a pass of their size
     takes); the others set what a pass of each size takes here, relative to the cost curve."""
-    from rest_core.app.live import redraw_cost_s
+    from rest_core.app.pacing import redraw_cost_s
 
     def curve(q):
         return 30.0 + 2.0 * q
@@ -906,10 +906,10 @@ def test_a_redraws_cost_on_the_decode_is_the_extra_forward_time_of_the_steps_it_
 def test_a_costly_redraw_spaces_the_next_ones(engine, session, monkeypatch):
     """When the latest redraw cost the decode much (a browser on the same cores), the next answer's live figures
     wait for that cost / FIGURE_SHARE; with no cost they come at the page's interval."""
-    from rest_core.app import live
+    from rest_core.app import pacing
 
-    monkeypatch.setattr(live, "FIGURE_INTERVAL_S", 0.0)
-    monkeypatch.setattr(live, "TEXT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(pacing, "FIGURE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(pacing, "TEXT_INTERVAL_S", 0.0)
     slot = engine.model("tiny")
     slot.drawing.cost_s = 30.0  # half a minute of the decode per redraw: 600 s between redraws
     views = run_turn(engine, session, TINY, PROMPT)
@@ -917,3 +917,20 @@ def test_a_costly_redraw_spaces_the_next_ones(engine, session, monkeypatch):
     slot.drawing.cost_s = 0.0
     views = run_turn(engine, session, TINY, PROMPT)
     assert any(v.tree is not None for v in views[:-1])
+
+
+def test_a_costly_text_update_spaces_the_streamed_text(engine, session, monkeypatch):
+    """When a text update costs the decode much (a browser re-rendering the answer on the same cores), the answer
+    streams at most once before it is done; when it costs nothing, at the page's pace."""
+    from rest_core.app import pacing
+
+    monkeypatch.setattr(pacing, "FIGURE_INTERVAL_S", 1e9)
+    monkeypatch.setattr(pacing, "TEXT_INTERVAL_S", 0.0)
+    slot = engine.model("tiny")
+    slot.drawing.text_cost_s = 30.0  # half a minute of the decode per update
+    views = run_turn(engine, session, TINY, PROMPT)
+    streamed = [v for v in views[:-1] if v.chat is not None and v.metrics]
+    assert views[-1].done and len(streamed) <= 1
+    slot.drawing.text_cost_s = 0.0
+    views = run_turn(engine, session, TINY, PROMPT)
+    assert len([v for v in views[:-1] if v.chat is not None and v.metrics]) > 2

@@ -105,6 +105,7 @@ def test_the_neighbours_are_the_brute_force_nearest(tiny_dense, match_next):
     store.match_next = False
 
 
+@pytest.mark.slow  # about 30 s on 2 cores: thousands of sampled decodes
 def test_sampling_with_dense_drafts_matches_the_exact_distribution(tmp_path):
     lm, prompt, sampling, expected = _spread_out_case()
     rng = np.random.default_rng(2)

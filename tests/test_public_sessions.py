@@ -25,7 +25,7 @@ from test_public_server import CLIENT, LOAD_S, USERS, visitor
 
 from conftest import free_port, tool
 
-pytestmark = pytest.mark.usefixtures("module_cache")
+pytestmark = [pytest.mark.usefixtures("module_cache"), pytest.mark.server]  # a public-mode server on loopback
 
 ROOT = Path(__file__).resolve().parents[1]
 many = tool("many_sessions")

@@ -47,9 +47,11 @@ import os, sys
 sys.path.insert(0, {root!r})
 import app
 from rest_core import app as sup
-from rest_core.app import live
+from rest_core.app import live, pacing
 for name, value in {knobs!r}.items():  # the live view's pacing, for side-by-side runs of other settings
-    setattr(live, name, value)
+    for module in (live, pacing):
+        if hasattr(module, name):
+            setattr(module, name, value)
 defaults = sup.Settings(mode="chat", max_new_tokens={tokens})
 demo = app.build_demo(trace_db={db!r}, defaults=defaults)
 app.launch(demo, server_port={port}, quiet=True)

@@ -7,7 +7,6 @@ never slows the decode much.
 from __future__ import annotations
 
 import html
-import statistics
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import plotly.graph_objects as go
 from rest_core.app.decoding import EMPTY_PROMPT, Prepared, prepare, race_work, rest_work, start_run
 from rest_core.app.engine import Engine
 from rest_core.app.markup import plain_answer_html, user_bubble
+from rest_core.app.pacing import Pacing
 from rest_core.app.panels import (
     StepRows,
     best_step,
@@ -32,7 +32,7 @@ from rest_core.app.panels import (
 from rest_core.app.policy import markdown_safe
 from rest_core.app.recording import STORE_ERRORS, Recording
 from rest_core.app.session import Session
-from rest_core.app.settings import DRAW_SETTLE_S, FIGURE_INTERVAL_S, FIGURE_SHARE, TEXT_INTERVAL_S, Settings, message_of
+from rest_core.app.settings import TEXT_INTERVAL_S, Settings, message_of
 from rest_core.app.streaming import Throttle, drain, stream_in_thread
 from rest_core.app.turns import Ticket
 from rest_core.compare import first_difference, identical
@@ -65,25 +65,11 @@ def special_texts(tokenizer: Any) -> frozenset:
     return frozenset(getattr(tokenizer, "all_special_tokens", None) or ())
 
 
-def redraw_cost_s(rows: list[dict], disturbed: set, curve: Optional[Callable[[int], float]]) -> float:
-    """Seconds the `disturbed` steps' forward passes took beyond an undisturbed pass over a tree of their size
-    (the other steps of `rows`, scaled to the cost curve when there is one)."""
-    def size_cost(row: dict) -> float:
-        return curve(int(row["draft_size"]) + 1) if curve is not None else 1.0
-
-    timed = [r for r in rows if r.get("t_forward_ms")]
-    quiet = [r["t_forward_ms"] / size_cost(r) for r in timed if r["step"] not in disturbed]
-    if not quiet:
-        return 0.0
-    scale = statistics.median(quiet)
-    return sum(max(0.0, r["t_forward_ms"] - scale * size_cost(r)) for r in timed if r["step"] in disturbed) / 1e3
-
-
 # ---------------------------------------------------------------- a chat turn
 
 class LiveAnswer:
     """The chat's side of a running REST decode: the tinted answer and the side panel, redrawn from
-    the steps stored so far (the text at most every TEXT_INTERVAL_S, the figures less often).  Tokens
+    the steps stored so far (the text and the figures each as often as what they cost allows: `Pacing`).  Tokens
     decoded after recording stopped are shown as plain text after the tinted ones."""
 
     def __init__(self, engine: Engine, prep: Prepared, recording: Recording, chat: list):
@@ -94,11 +80,9 @@ class LiveAnswer:
         self.tokenizer = prep.slot.lm.tokenizer
         self.curve = prep.forward_curve()
         self.hide = special_texts(self.tokenizer)
-        self.text = Throttle(TEXT_INTERVAL_S)
-        # redraws are spaced by what they cost: building them here, and what the latest one cost the decode
-        self.build_s, self.last_fig = 0.0, 0.0
-        self.disturbed: set[int] = set()  # steps that ran while figures were built, sent and drawn
-        self.latest, self.shown, self.started = -1, -1, 0.0
+        self.pacing = Pacing(self.drawing, self.curve)
+        self.text = Throttle(self.pacing.text_interval)
+        self.latest, self.shown, self.started, self.last_fig = -1, -1, 0.0, 0.0
         self.ids: list[int] = []  # every token decoded so far
         self.notice = prep.dropped  # what the page says about this answer to its end
 
@@ -139,44 +123,28 @@ class LiveAnswer:
                 self.started = self.last_fig = value
             elif kind == "step":
                 self.latest = value
-                if not self.drawing.quiet_since(time.perf_counter()):
-                    self.disturbed.add(value)
+                self.pacing.step(value, time.perf_counter())
             elif kind == "tokens":
                 self.ids += value
+        self.text.interval_s = self.pacing.text_interval
         if self.latest <= self.shown or not self.text.ready():
             return
         self.shown, now = self.latest, self.text.last
         rows = self.rows()
-        self.weigh_redraw(rows, now)
+        self.pacing.weigh(rows, now)
         self.chat[-1]["content"] = self.answer(rows)
         view = View(chat=self.chat, metrics=self.metrics(rows, now - self.started))
-        if not (rows and not self.recording.stopped and now - self.last_fig >= self.fig_interval):
+        if not (rows and not self.recording.stopped and now - self.last_fig >= self.pacing.fig_interval):
+            self.pacing.text_sending(time.perf_counter())
             yield view
             return
-        self.drawing.mark(float("inf"))  # from now until the browser has drawn them
+        self.pacing.figures_building()
         try:
             view.tree, view.mask, view.speed = self.figures(rows, rows[-1]["step"])
             yield view
         finally:  # built and sent (or the visitor left): slow machines redraw less often
             self.last_fig = time.perf_counter()
-            self.drawing.settle(self.last_fig + DRAW_SETTLE_S)
-        self.build_s = self.last_fig - now
-
-    def weigh_redraw(self, rows: list[dict], now: float) -> None:
-        """Once the latest redraw is over, what it cost the decode (the extra forward time of the steps that
-        ran meanwhile: with the browser on the same machine, its drawing takes the decode's cores), kept on
-        the model's slot for the next answers; the next redraw waits accordingly."""
-        if not self.disturbed or not rows or not self.drawing.quiet_since(now):
-            return
-        over = {s for s in self.disturbed if s <= rows[-1]["step"]}
-        self.disturbed -= over
-        self.drawing.cost_s = redraw_cost_s(rows, over, self.curve)
-
-    @property
-    def fig_interval(self) -> float:
-        """Seconds between two redraws: what one costs (built here, and the decode's time the latest one took)
-        over the share of the time they may take, at least FIGURE_INTERVAL_S."""
-        return max(FIGURE_INTERVAL_S, (self.build_s + self.drawing.cost_s) / FIGURE_SHARE)
+            self.pacing.figures_sent(now, self.last_fig)
 
     def failed(self, err: Exception) -> View:
         text = message_of(err)

@@ -20,12 +20,15 @@ MAX_UPLOAD_FILES = 200
 MAX_MODELS = int(os.environ.get("REST_LAB_MAX_MODELS", 2))  # models kept in memory at once
 # While a decode runs, the live view competes with it for the cores: drawing the figures (here, then in the
 # browser, on the same machine when the page is local) slowed a local chat's tree passes up to 3x.  So the
-# figures are redrawn at most every FIGURE_INTERVAL_S, building them takes at most FIGURE_SHARE of the time, and
-# the steps timed while they are built and drawn (DRAW_SETTLE_S after they are sent) teach the cost curve
-# nothing; the full figures come when the answer is done.
+# figures are redrawn at most every FIGURE_INTERVAL_S and the text every TEXT_INTERVAL_S, each spaced further
+# so that what it costs the decode, as measured (app/pacing.py), stays within FIGURE_SHARE and TEXT_SHARE of the
+# time (together 5%); the steps timed while a redraw is built, sent and drawn (DRAW_SETTLE_S after figures are
+# sent, TEXT_SETTLE_S after text) teach the cost curve nothing; the full figures come when the answer is done.
 FIGURE_INTERVAL_S = 2.0
-FIGURE_SHARE = 0.05
+FIGURE_SHARE = 0.03
 DRAW_SETTLE_S = 1.0
+TEXT_SHARE = 0.02
+TEXT_SETTLE_S = 0.15
 STORE_WAIT_S = 3.0  # how long a decode waits for the built-in store before going on without it
 STORE_RETRY_S = 60.0  # a failed built-in store build is tried again this long after it failed
 TEXT_INTERVAL_S = 0.25  # the streamed answer: at most 4 updates per second (each re-renders the answer)

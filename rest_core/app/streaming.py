@@ -89,7 +89,8 @@ class Disturbance:
 
     def __init__(self) -> None:
         self.until = 0.0  # perf_counter time the latest disturbance ends
-        self.cost_s = 0.0  # what the latest measured redraw cost the decode (its steps' extra forward time)
+        self.cost_s = 0.0  # what the latest measured figure redraw cost the decode (its steps' extra forward time)
+        self.text_cost_s: float | None = None  # what a text update costs the decode (a running estimate)
 
     def mark(self, until: float) -> None:
         self.until = max(self.until, until)
