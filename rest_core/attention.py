@@ -8,7 +8,7 @@ keys over the threads.  Which is faster depends on the CPU, the head shape, the 
 of the cache, so it is measured here:
 
 `tune_attention(model)` times both on the model's head shape (query heads, key/value heads, head size)
-for every row count of the cost curve's grid (`rest_core.kernels.ROWS`) over caches of 256 and 1,024
+for every row count of the cost curve's grid (`rest_core.rows.ROWS`) over caches of 256 and 1,024
 positions, each call on its own set of keys and values per layer (as a pass reads one layer's cache after
 another, from memory), the kernels taking turns, fastest of several rounds.  A pass uses the native kernel where
 it was faster by MARGIN (MARGIN_ONE_ROW for one row) at its row count and the measured cache length nearest its
@@ -32,8 +32,9 @@ from torch import nn
 
 from rest_base.calibration import CalibrationFile
 from rest_core import native
-from rest_core.kernels import ROWS, Progress, Report, kernels_mode, row_neighbours, row_ranges
+from rest_core.kernels import Progress, Report, kernels_mode
 from rest_core.machine import machine_key
+from rest_core.rows import ROWS, row_neighbours, row_ranges
 
 LENGTHS = (256, 1024)  # cache lengths timed
 ROUNDS = 5  # timing rounds after a warm-up round

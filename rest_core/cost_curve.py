@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from rest_base.calibration import CalibrationFile
-from rest_core.kernels import ROWS
 from rest_core.kv_cache import new_cache
 from rest_core.machine import machine_key
+from rest_core.rows import ROWS
 
 if TYPE_CHECKING:
     from rest_core.model import LoadedModel

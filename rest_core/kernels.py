@@ -1,34 +1,26 @@
 """Linear-layer kernels chosen per machine, so a verify pass over a few tree nodes stays cheap on a CPU.
 
-A one-token step reads every weight once and is bound by memory bandwidth; a verify pass over
-q tree nodes reads the same weights, so in principle it costs little more.  On CPUs the default
-GEMM path for 2..64 rows is often far from that bound (the output layer of SmolLM2-135M,
-49152 x 576, costs two to three times more for 8 rows than for one).  Two other ways to compute
-the same product may stay closer to it -- or may not, on another CPU, for another shape or row
-count:
+A one-token step reads every weight once and is bound by memory bandwidth; a verify pass over q tree nodes
+reads the same weights, so in principle it costs little more.  On CPUs the default GEMM path for 2..64 rows
+is often far from that bound (SmolLM2-135M's 49152 x 576 output layer costs two to three times more for 8
+rows than for one).  Other ways to compute the same product may stay closer to it, or not, per CPU, shape
+and row count:
 
 * "packed": oneDNN with the weight reordered once into its blocked layout (an extra copy of it);
-* "transposed": the product computed the other way round, W @ x.T, then transposed back (the same
-  numbers; on some CPUs the library's kernel for a wide right-hand side streams W better);
-* "blocked": REST Lab's own kernel (`rest_core.native`), built for this CPU at first use, with the
-  weight copied once into 16-column panels: every weight is read once per call and serves every row
-  (where no C++ compiler is found it is simply not among the candidates), in blocks of 8 rows (AVX-512;
-  6 with AVX2) read where they lie;
-* "blocked_tall": the same kernel and panels in blocks of 16 rows read from a transposed copy of the
-  input (AVX-512 only): fewer sweeps over each panel for the price of the copy -- on a Xeon it made a
-  16-token pass 11% cheaper; on a Zen 4 the model's linear layers over 12 rows took 6% less time with it,
-  over 16 and 24 rows 8% and 16% more (timed only above 8 rows: below, both run the very same code).
+* "transposed": W @ x.T, transposed back (some libraries stream W better for a wide right-hand side);
+* "blocked": REST Lab's own kernel (`rest_core.native`, built for this CPU at first use; not a candidate
+  where no C++ compiler is found), the weight copied once into 16-column panels, every weight read once per
+  call for blocks of 8 rows (AVX-512; 6 with AVX2);
+* "blocked_tall": the same panels in blocks of 16 rows read from a transposed copy of the input (AVX-512
+  only; timed only above 8 rows, below which both run the same code).
 
-`tune_linears(model, name)` swaps every `nn.Linear` of a CPU float32 model for a `TunedLinear`
-and measures, per weight shape and row count, which kernel is fastest on this machine: every
-linear layer of the model is run in model order, as in a forward pass (so the weights come from
-memory as they do then, not from a cache that one shape alone would fit in), each call timed on
-its own and summed per shape; the kernels take turns, fastest of several rounds.  A layer then
-picks its kernel per call from the row count.  The choice is kept on disk per model and machine
-key (`rest_core.machine.machine_key`: CPU, instruction set, threads, torch version) and measured
-again when the key changes or with REST_LAB_RECALIBRATE=1.  Plain one-token decoding gets the
-same choice for one row, so a comparison with plain decoding stays honest.  The results differ
-from the default kernel only by float rounding.
+`tune_linears(model, name)` swaps every `nn.Linear` of a CPU float32 model for a `TunedLinear` and times,
+per weight shape and row count, every kernel over all the model's layers in model order (the weights come
+from memory as in a forward pass), the kernels taking turns, fastest of several rounds.  A layer picks its
+kernel per call from the row count.  The choice is kept per model and machine key (`machine_key`: CPU,
+instruction set, threads, torch) and measured again when the key changes, with REST_LAB_RECALIBRATE=1, or
+when a quick probe at load finds its one-row pick slow (`probe_disagrees`).  Plain decoding gets the same
+choice for one row, so a comparison with it stays honest.  Results differ from the default only by rounding.
 
 REST_LAB_KERNELS=default keeps transformers' own linear layers (nothing swapped, nothing measured);
 `KernelChoice.enabled` switches a tuned model back to the default kernel for side-by-side runs.
@@ -44,33 +36,25 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rest_base.calibration import CalibrationFile
 from rest_core import native
 from rest_core.machine import machine_key
+from rest_core.rows import ROWS, row_neighbours, row_ranges
+from rest_core.tuned_linear import BLOCKED_KINDS, KERNELS, Shape, TunedLinear, packing_available
 
-# row counts measured: every query size the cost curve is measured at (rest_core.cost.GRID), so each tree
-# size the budget weighs runs a kernel timed at that very size; between two of them the times are
-# interpolated (a kernel's cost can turn between neighbours: on a 2-vCPU AMD EPYC with AVX-512 the
-# transposed product won at 2 rows and cost 50% more than oneDNN's at 3, so "the choice at 2" ran 3-row
-# passes at 1.35x a one-token pass where 2 and 4 rows cost 1.10x and 0.97x)
-ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-MAX_ROWS = 64  # above this, the choice at 64 rows applies (prefill)
 ROUNDS = 9  # interleaved timing rounds per row count
+PROBE_ROUNDS, PROBE_SLACK = 3, 0.25  # the quick check of a cached choice at load (`probe_disagrees`)
+PROBE_FLOOR_MS = 0.05  # difference below this per one-token pass is not worth timing every kernel again
 MARGIN = 0.05  # another kernel must be this much faster than the default: ties keep the default
 MARGIN_ONE_ROW = 0.15  # for one row (every step of plain decoding) only a clear win counts: a layer timed
 # alone showed the output layer 12% faster prepacked at one row, yet whole one-token passes ran 2-4% slower
 ENV = "REST_LAB_KERNELS"  # "auto" (default): measure and choose; "default": transformers' layers unchanged
 VERSION = 5  # of the cached file's layout and of the timing method (5: the blocked kernel's two block heights)
-KERNELS = ("default", "packed", "transposed", "blocked", "blocked_tall")  # index 0 is transformers' own F.linear
-DEFAULT, PACKED, TRANSPOSED, BLOCKED, BLOCKED_TALL = range(len(KERNELS))
-BLOCKED_KINDS = ("blocked", "blocked_tall")  # the kernels that read the weight's panels
 UNTIMED = float("inf")  # the time of a kernel not run (not available here): it never wins
 NAMES = {"packed": "oneDNN prepacked", "transposed": "transposed product (W @ x.T)"}  # blocked: _kernel_name
 
-Shape = tuple[int, int]  # (out_features, in_features)
 Report = Callable[[str], None]  # told what a measurement does before it starts, and what it found
 Progress = Callable[[int, int], None]  # (row counts done, row counts in all) while the kernels are timed
 
@@ -82,89 +66,6 @@ def kernels_mode() -> str:
         raise ValueError(f"{ENV}={mode!r} is not understood: use 'auto' (measure and choose the faster linear "
                          f"kernel per row count) or 'default' (transformers' own layers).")
     return mode
-
-
-def packing_available(model: nn.Module) -> bool:
-    """oneDNN prepacking applies to float32 models on the CPU of a torch build with oneDNN."""
-    param = next(model.parameters(), None)
-    return (param is not None and param.device.type == "cpu" and param.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-class TunedLinear(nn.Module):
-    """An nn.Linear that uses, per call, the kernel measured fastest for that many rows (`KERNELS`), keeping
-    its weight also in oneDNN's blocked layout where "packed" is used.  x: (..., in_features) ->
-    (..., out_features).  The weight and bias are the original parameters (tied embeddings stay tied); the
-    packed copy is made once and not updated."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.packed: Optional[torch.Tensor] = None  # oneDNN layout; a plain attribute, never saved or moved
-        self.panels: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # the blocked kernel's weight and bias
-        self.plan: tuple[int, ...] = ()  # per row count 0..MAX_ROWS, the kernel (index in KERNELS); empty: default
-
-    @property
-    def shape(self) -> Shape:
-        return (self.out_features, self.in_features)
-
-    def pack(self) -> None:
-        if self.packed is None:
-            with torch.no_grad():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-
-    def pack_panels(self) -> bool:
-        """The weight in the blocked kernel's panels (made once); False where that kernel is not available."""
-        if self.panels is None and native.library() is not None:
-            self.panels = native.pack(self.weight, self.bias)
-        return self.panels is not None
-
-    def blocked_forward(self, x: torch.Tensor) -> torch.Tensor:
-        panels, bias = self.panels
-        return native.linear(x, panels, bias, self.out_features)
-
-    def blocked_tall_forward(self, x: torch.Tensor) -> torch.Tensor:
-        panels, bias = self.panels
-        return native.linear(x, panels, bias, self.out_features, tall=True)
-
-    def packed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-
-    def transposed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """W @ x.T, transposed back: the same product with the weight as the left-hand side."""
-        rows = x.reshape(-1, self.in_features)  # (m, in)
-        out = torch.mm(self.weight, rows.t()).t().contiguous()  # (m, out)
-        if self.bias is not None:
-            out += self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def default_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def kernel(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        return (self.default_forward, self.packed_forward, self.transposed_forward, self.blocked_forward,
-                self.blocked_tall_forward)[index]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plan = self.plan
-        if plan and x.is_cpu and not torch.is_grad_enabled():
-            k = plan[min(x.numel() // self.in_features, MAX_ROWS)]
-            if k == PACKED:
-                return self.packed_forward(x)
-            if k == BLOCKED:
-                return self.blocked_forward(x)
-            if k == BLOCKED_TALL:
-                return self.blocked_tall_forward(x)
-            if k == TRANSPOSED:
-                return self.transposed_forward(x)
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 @dataclass
@@ -255,33 +156,10 @@ def _kernel_name(kernel: str) -> str:
     return NAMES[kernel]
 
 
-def row_neighbours(measured: list[int]) -> list[tuple[int, int]]:
-    """Per row count 0..MAX_ROWS, the measured counts at or below and at or above it (the same count where it
-    was measured; the nearest one at either end of the measured range)."""
-    out = []
-    for r in range(MAX_ROWS + 1):
-        below = [m for m in measured if m <= r]
-        above = [m for m in measured if m >= r]
-        out.append((below[-1] if below else above[0], above[0] if above else below[-1]))
-    return out
-
-
-def row_ranges(rows: list[int]) -> str:
-    """Row counts as runs: [1, 2, 3, 8, 9] -> '1-3, 8-9'."""
-    if not rows:
-        return "none"
-    runs: list[list[int]] = []
-    for r in sorted(rows):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 @torch.inference_mode()
 def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS, rounds: int = ROUNDS,
-                   progress: Optional[Progress] = None) -> dict[Shape, dict[int, dict[str, float]]]:
+                   progress: Optional[Progress] = None,
+                   kernels: tuple[str, ...] = KERNELS) -> dict[Shape, dict[int, dict[str, float]]]:
     """Per weight shape, row count and kernel: milliseconds for the shape's layers of one forward pass.
 
     Every layer runs in `layers`' order (the model's) as in a forward pass, so each weight comes from
@@ -293,7 +171,7 @@ def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS, roun
     out: dict[Shape, dict[int, dict[str, float]]] = {shape: {} for shape in shapes}
     clock = time.perf_counter
     panels = all(layer.panels is not None for layer in layers)
-    available = [k for k in KERNELS if k not in BLOCKED_KINDS or (panels and _can_run(k))]
+    available = [k for k in kernels if k not in BLOCKED_KINDS or (panels and _can_run(k))]
     short = native.register_rows() or 0
     for done, r in enumerate(rows):
         if progress is not None:
@@ -320,6 +198,30 @@ def measure_layers(layers: list[TunedLinear], rows: tuple[int, ...] = ROWS, roun
     if progress is not None:
         progress(len(rows), len(rows))
     return out
+
+
+def probe_disagrees(choice: KernelChoice, layers: list[TunedLinear]) -> Optional[str]:
+    """A quick check of a cached choice at one row (every step of plain decoding): per shape, its pick timed
+    against the other kernels its layers can run as they are (the fastest of PROBE_ROUNDS rounds), then once
+    more to confirm.  Says where the pick was both times more than PROBE_SLACK (and PROBE_FLOOR_MS) slower than
+    another (a choice timed while other programs ran the cores), else None."""
+    for shape, table in choice.kernel.items():
+        group = [layer for layer in layers if layer.shape == shape]
+        runs = ["default", "transposed"] + (["packed"] if all(g.packed is not None for g in group) else [])
+        runs += ["blocked"] if all(g.panels is not None for g in group) else []
+        why = None
+        for rounds in (PROBE_ROUNDS, 2 * PROBE_ROUNDS):
+            times = measure_layers(group, rows=(1,), rounds=rounds, kernels=tuple(runs))[shape][1]
+            picked, best = table[1], min(runs, key=lambda k: times.get(k, UNTIMED))
+            took = times.get(picked, UNTIMED)
+            if took <= times[best] * (1.0 + PROBE_SLACK) or took - times[best] <= PROBE_FLOOR_MS:
+                why = None
+                break
+            why = (f"{shape[0]}x{shape[1]} at one row: the kept pick {picked} took {took:.2f} ms, "
+                   f"{best} {times[best]:.2f}")
+        if why is not None:
+            return why
+    return None
 
 
 def fastest(times: dict[str, float], rows: int) -> str:
@@ -362,16 +264,35 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True, report: Option
     if choice is not None and not _fits_here(choice, shapes):
         choice = None  # timed where other kernels could run than here: measured again
     if choice is None:
-        if report is not None:
-            report(f"timing {len(KERNELS)} linear kernels for {name}'s {len(shapes)} weight shapes at {len(ROWS)} "
-                   "row counts on this machine (once per model and machine)")
-        choice = _measure(layers, progress=progress)
-        kept = cache and not native.switched_off()  # a run with the native code switched off keeps its choice
-        if kept:
-            _write_cache(calibration, choice)
-        if report is not None:
-            report(f"linear kernels measured in {choice.measured_s:.0f} s"
-                   + (f", kept in {calibration.path}" if kept else ""))
+        choice = _measure_and_keep(layers, calibration, cache, report, progress,
+                                   f"timing {len(KERNELS)} linear kernels for {name}'s {len(shapes)} weight shapes "
+                                   f"at {len(ROWS)} row counts on this machine (once per model and machine)")
+    _pack_for(choice, layers, shapes)
+    why = probe_disagrees(choice, layers) if choice.measured_s == 0.0 else None  # read from the cache: checked
+    if why is not None:
+        choice = _measure_and_keep(layers, calibration, cache, report, progress,
+                                   f"the kept kernel choice disagrees with a quick probe ({why}): timing them again")
+        _pack_for(choice, layers, shapes)
+    choice.layers = layers
+    choice.enabled = True
+    return choice
+
+
+def _measure_and_keep(layers: list[TunedLinear], calibration: CalibrationFile, cache: bool, report: Optional[Report],
+                      progress: Optional[Progress], why: str) -> KernelChoice:
+    if report is not None:
+        report(why)
+    choice = _measure(layers, progress=progress)
+    kept = cache and not native.switched_off()  # a run with the native code switched off keeps its choice
+    if kept:
+        _write_cache(calibration, choice)
+    if report is not None:
+        where = f", kept in {calibration.path}" if kept else ""
+        report(f"linear kernels measured in {choice.measured_s:.0f} s{where}")
+    return choice
+
+
+def _pack_for(choice: KernelChoice, layers: list[TunedLinear], shapes: set[Shape]) -> None:
     packed = {shape for shape in shapes if choice.uses(shape, "packed")}
     panels = {shape for shape in shapes if any(choice.uses(shape, k) for k in BLOCKED_KINDS)}
     for layer in layers:  # keep the packed copies only where they are used
@@ -383,9 +304,6 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True, report: Option
             layer.pack_panels()
         else:
             layer.panels = None
-    choice.layers = layers
-    choice.enabled = True
-    return choice
 
 
 def _can_run(kernel: str) -> bool:

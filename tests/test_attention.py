@@ -11,8 +11,8 @@ from datastores import assemble_stores
 from rest_core import attention, native
 from rest_core.attention import AttentionChoice, measure, tune_attention, uses_native
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
-from rest_core.kernels import ROWS
 from rest_core.model import ATTENTION, gqa_sdpa_attention
+from rest_core.rows import ROWS
 
 from conftest import make_tiny_lm
 from oracle import BruteForceStore

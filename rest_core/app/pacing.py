@@ -37,8 +37,8 @@ def redraw_cost_s(rows: list[dict], disturbed: set, curve: Optional[Callable[[in
     quiet = [r["t_forward_ms"] / size_cost(r) for r in timed if r["step"] not in disturbed and r["step"] not in noisy]
     if not quiet:
         return 0.0
-    scale = statistics.median(quiet)
-    return sum(max(0.0, r["t_forward_ms"] - scale * size_cost(r)) for r in timed if r["step"] in disturbed) / 1e3
+    scale = statistics.median(quiet)  # a step's own noise goes both ways: summed as it is, at least 0 in all
+    return max(0.0, sum(r["t_forward_ms"] - scale * size_cost(r) for r in timed if r["step"] in disturbed)) / 1e3
 
 
 class Pacing:
@@ -96,6 +96,10 @@ class Pacing:
             self.text_sent = 0
             known = self.drawing.text_cost_s
             self.drawing.text_cost_s = per_update if known is None else known + TEXT_COST_WEIGHT * (per_update - known)
+
+    def view_cost_s(self, rows: list[dict]) -> float:
+        """What every redraw so far cost the decode: the extra forward time of the stored steps beside them."""
+        return redraw_cost_s(rows, self.noisy, self.curve)
 
     @property
     def fig_interval(self) -> float:
