@@ -392,3 +392,21 @@ def test_the_empty_proposer_drafts_nothing_for_every_request():
 
     proposer = NoDraftProposer(None)
     assert proposer.propose([[5], [6, 7], []], np.array([3, 4, 0]), np.zeros((3, 8), dtype=np.int64)) == [[], [], []]
+
+
+def test_propose_cost_replays_outputs_through_the_drafter_and_times_each_call(tmp_path):
+    """tools/propose_cost.py's replay: every request reaches its known output's end, drafts are verified against
+    it (the cyclic store's drafts are all right, so fewer calls than tokens), one record per call."""
+    from conftest import tool
+
+    propose_cost = tool("propose_cost")
+    drafter = cyclic_drafter(tmp_path, table(50.0, 0.1))
+    clock = propose_cost.EngineClock()
+    drafter.clock = clock
+    pairs = [([CYCLE[i], CYCLE[i + 1], CYCLE[i + 2]], CYCLE[i + 3:i + 23]) for i in range(3)]
+    calls = propose_cost.replay(drafter, pairs, 2, table(50.0, 0.1), clock)
+    request_steps = sum(c[3] for c in calls)
+    assert sum(c[2] for c in calls) > 0 and request_steps < 3 * 19  # drafted, and the drafts were accepted
+    assert all(ms >= 0 for _, ms, *_ in calls) and clock.engine_s > 0
+    assert [c[3] for c in calls][0] == 2 and calls[-1][3] >= 1  # two in flight, the third replaces the first
+    assert "tokens per request-step" in propose_cost.summary(calls, 60, "round 1")
