@@ -16,7 +16,7 @@ import numpy as np
 from rest_core.serving.config import open_drafter
 from rest_core.serving.engine import calling_runner, engine_key, running_request_ids
 
-__all__ = ["RestProposer"]
+__all__ = ["NoDraftProposer", "RestProposer"]
 
 
 class RestProposer:
@@ -45,3 +45,17 @@ class RestProposer:
                                "(no model runner among its callers); use vLLM 0.32 (scripts/setup.sh --vllm)")
         ids = running_request_ids(self.runner, len(sampled_token_ids))
         return self.drafter.step(ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+
+
+class NoDraftProposer:
+    """A custom proposer that never drafts: what vLLM's drafting path costs by itself (the floor under any proposer
+    that finds drafting would not pay), measured by the benchmark's `empty` method."""
+
+    def __init__(self, vllm_config: Any):
+        pass
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass
+
+    def propose(self, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]

@@ -347,3 +347,66 @@ def test_a_first_request_with_nothing_to_draft_does_not_keep_drafting_off(tmp_pa
         clock.pass_ms(50.0)
         delay["ms"] = 0.0
     assert all(serve(drafter, clock, table(50.0, 0.1), steps=12)[1:])
+
+
+# -- the vLLM benchmark's rounds and report ------------------------------------------------------------------
+def bench_result(tokens_per_s: dict) -> dict:
+    """A results.json as rest_core.serving.bench writes it: tokens_per_s[method] lists one value per round at
+    chat batch 16 (None: that round did not run the method there)."""
+    rounds = []
+    for r in range(max(len(v) for v in tokens_per_s.values())):
+        rounds.append({m: {"runs": {} if v[r] is None else {"chat/16": {
+            "tokens_per_s": v[r], "latency_p50_s": 1.0, "latency_p95_s": 2.0, "tokens_per_step": 1.0,
+            "outputs": {"p0": [1, 2, 3]}}}} for m, v in tokens_per_s.items()})
+    machine = {"vllm": "0.32.0", "cpu": "CPU", "cpu_family": "25/17", "cpu_features": ["avx2"], "cores": 2,
+               "commit": "abc", "python": "3.11", "ld_preload": "", "kv_cache_gb": "2"}
+    return {"machine": machine, "command": "bench", "rounds": rounds,
+            "settings": {"max_new_tokens": 128, "k": 8, "engine": {}}}
+
+
+def test_the_report_gives_each_cell_its_median_and_range_against_plain_in_the_same_round():
+    from rest_core.serving.report import vllm_markdown
+
+    text = vllm_markdown(bench_result({"plain": [100.0, 120.0, 110.0], "rest": [105.0, 108.0, 121.0]}))
+    rest = next(line for line in text.splitlines() if line.startswith("| 16 | rest |"))
+    # tokens/s: median 108 of 105-121; against plain round by round: 1.05, 0.90, 1.10 -> median 1.05
+    assert "| 108.0 (105.0-121.0) | 1.05× (0.90-1.10) |" in rest
+    plain = next(line for line in text.splitlines() if line.startswith("| 16 | plain |"))
+    assert "| 110.0 (100.0-120.0) | 1.00× (1.00-1.00) |" in plain
+    one = vllm_markdown(bench_result({"plain": [100.0], "rest": [97.0]}))
+    assert "| 97.0 | 0.97× |" in one  # a single round: no range
+
+
+def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():
+    from rest_core.serving.bench import rounds_per_batch
+
+    assert rounds_per_batch([1, 4, 16], 1, ["16=3"]) == {1: 1, 4: 1, 16: 3}
+    assert rounds_per_batch([1, 16], 2, []) == {1: 2, 16: 2}
+    for bad in ("8=3", "16", "16=0", "x=2"):
+        with pytest.raises(SystemExit, match="BATCH=N"):
+            rounds_per_batch([1, 4, 16], 1, [bad])
+
+
+def test_the_empty_proposer_drafts_nothing_for_every_request():
+    from rest_core.vllm import NoDraftProposer
+
+    proposer = NoDraftProposer(None)
+    assert proposer.propose([[5], [6, 7], []], np.array([3, 4, 0]), np.zeros((3, 8), dtype=np.int64)) == [[], [], []]
+
+
+def test_propose_cost_replays_outputs_through_the_drafter_and_times_each_call(tmp_path):
+    """tools/propose_cost.py's replay: every request reaches its known output's end, drafts are verified against
+    it (the cyclic store's drafts are all right, so fewer calls than tokens), one record per call."""
+    from conftest import tool
+
+    propose_cost = tool("propose_cost")
+    drafter = cyclic_drafter(tmp_path, table(50.0, 0.1))
+    clock = propose_cost.EngineClock()
+    drafter.clock = clock
+    pairs = [([CYCLE[i], CYCLE[i + 1], CYCLE[i + 2]], CYCLE[i + 3:i + 23]) for i in range(3)]
+    calls = propose_cost.replay(drafter, pairs, 2, table(50.0, 0.1), clock)
+    request_steps = sum(c[3] for c in calls)
+    assert sum(c[2] for c in calls) > 0 and request_steps < 3 * 19  # drafted, and the drafts were accepted
+    assert all(ms >= 0 for _, ms, *_ in calls) and clock.engine_s > 0
+    assert [c[3] for c in calls][0] == 2 and calls[-1][3] >= 1  # two in flight, the third replaces the first
+    assert "tokens per request-step" in propose_cost.summary(calls, 60, "round 1")

@@ -48,7 +48,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="rest: REST Lab's own decoding loop (default); vllm: vLLM plain, ngram, suffix and REST "
                         "drafting at several batch sizes (in .venv-vllm: scripts/setup.sh --vllm)")
     g.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="vllm: requests in flight")
-    g.add_argument("--vllm-methods", nargs="+", default=None, help="vllm: plain ngram suffix rest (default: all)")
+    g.add_argument("--vllm-methods", nargs="+", default=None,
+                   help="vllm: plain ngram suffix rest (default: these four), empty (a proposer that never drafts)")
+    g.add_argument("--vllm-rounds-at", nargs="+", default=None, metavar="BATCH=N",
+                   help="vllm: more rounds (interleaved) at these batch sizes than --repeats, e.g. 16=3")
     g.add_argument("--prompts", nargs="+", default=None, metavar="ID",
                    help="only the prompts with these ids (shell patterns work: 'explain-*'); before --limit")
     g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED, TEXT_METHOD),
@@ -154,6 +157,8 @@ def _run_vllm(args: argparse.Namespace) -> int:
             "--max-new-tokens", str(args.max_new_tokens), "--rounds", str(args.repeats)]
     if args.vllm_methods:
         argv += ["--methods", *args.vllm_methods]
+    if args.vllm_rounds_at:
+        argv += ["--rounds-at", *args.vllm_rounds_at]
     if args.out:
         argv += ["--out", args.out]
     return run_module("rest_core.serving.bench", argv)

@@ -5,13 +5,17 @@
 (which runs `python -m rest_core.serving.bench` in .venv-vllm).
 
 Methods: `plain` (no drafting), `ngram` (vLLM's prompt lookup, k tokens, n-grams of 1-4), `suffix`
-(SuffixDecoding, where arctic-inference is installed) and `rest` (rest_core.vllm.RestProposer).  Every method gets
+(SuffixDecoding, where arctic-inference is installed), `rest` (rest_core.vllm.RestProposer) and, asked for by name,
+`empty` (a custom proposer that never drafts: vLLM's drafting path alone, the floor under REST when it drafts
+nothing).  Every method gets
 a fresh engine at every batch size (so what suffix decoding and REST keep of past outputs holds only this run's),
 the methods side by side per batch size; the suite's prompts run with that many requests in flight (a finished
 request is replaced at once, as a server's load would be).  Measured: aggregate tokens/s, each
 request's latency (submission to last token; p50 / p95), mean tokens per step per request (the new tokens over
 the request-steps, from vLLM's own drafting counters), and whether every output equals plain vLLM's, token for
-token.  The order of methods alternates between rounds.
+token.  The order of methods alternates between rounds; `--rounds-at 16=3` gives one batch size more rounds than
+the others (a batch-16 cell is one wave of about 13 s, as noisy as that), and the report gives every cell's median
+over its rounds with their range.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ import time
 from pathlib import Path
 
 ENGINE = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "disable_log_stats": False}
-METHODS = ("plain", "ngram", "suffix", "rest")
+METHODS = ("plain", "ngram", "suffix", "rest", "empty")
+DEFAULT_METHODS = METHODS[:4]  # `empty` is a diagnosis, run when asked for
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
 
@@ -42,6 +47,8 @@ def speculative_config(method: str, k: int):
         return {"method": "suffix", "num_speculative_tokens": k}
     if method == "rest":
         return {"method": "custom_class", "model": "rest_core.vllm.RestProposer", "num_speculative_tokens": k}
+    if method == "empty":
+        return {"method": "custom_class", "model": "rest_core.vllm.NoDraftProposer", "num_speculative_tokens": k}
     raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
 
 
@@ -125,16 +132,30 @@ def machine() -> dict:
             "kv_cache_gb": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
 
 
+def rounds_per_batch(batches: list[int], rounds: int, rounds_at: list[str]) -> dict[int, int]:
+    """Rounds per batch size: `rounds`, or what a BATCH=N of `rounds_at` says for that batch size."""
+    out = {b: rounds for b in batches}
+    for item in rounds_at:
+        batch, _, n = item.partition("=")
+        if not (batch.isdigit() and n.isdigit() and int(n) >= 1 and int(batch) in out):
+            raise SystemExit(f"--rounds-at {item!r}: write BATCH=N with BATCH one of --batches "
+                             f"({' '.join(map(str, batches))}) and N at least 1")
+        out[int(batch)] = int(n)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rest_core bench --engine vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="served model folder or hub id (default: REST Lab's default model)")
     ap.add_argument("--suite", nargs="+", default=["humaneval", "chat"], choices=("humaneval", "chat"))
     ap.add_argument("--limit", type=int, default=16)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every drafting method")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds-at", nargs="+", default=[], metavar="BATCH=N",
+                    help="more rounds at these batch sizes (e.g. 16=3); the others get --rounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
@@ -148,10 +169,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": "python -m rest_core bench --engine vllm " + " ".join(argv or sys.argv[1:]),
               "machine": machine(), "settings": {**vars(args), "engine": ENGINE}, "rounds": []}
-    for r in range(args.rounds):
+    rounds = rounds_per_batch(args.batches, args.rounds, args.rounds_at)
+    for r in range(max(rounds.values())):
         order = args.methods if r % 2 == 0 else args.methods[::-1]
         result["rounds"].append({m: {"runs": {}} for m in order})
-        for batch in args.batches:  # the methods side by side at each batch size
+        for batch in (b for b in args.batches if rounds[b] > r):  # the methods side by side at each batch size
             for m in order:
                 got = run_method(model, m, args.k, suites, batch, args.max_new_tokens)
                 into = result["rounds"][-1][m]

@@ -19,9 +19,26 @@ def _identical(result: dict, method: str, key: str) -> tuple[int, int]:
     return same, total
 
 
+def _ratios(result: dict, method: str, key: str) -> list[float]:
+    """tokens/s against plain vLLM's in the same round, per round that ran both."""
+    return [r[method]["runs"][key]["tokens_per_s"] / r["plain"]["runs"][key]["tokens_per_s"]
+            for r in result["rounds"] if key in r.get(method, {}).get("runs", {})
+            and key in r.get("plain", {}).get("runs", {})]
+
+
+def _spread(values: list[float], unit: str = "") -> str:
+    """The median, and the range where there is more than one value: '1.02× (0.97-1.05)'."""
+    if not values:
+        return "-"
+    text = f"{statistics.median(values):.{2 if unit else 1}f}{unit}"
+    if len(values) > 1:
+        text += f" ({min(values):.{2 if unit else 1}f}-{max(values):.{2 if unit else 1}f})"
+    return text
+
+
 def vllm_markdown(result: dict) -> str:
-    """One table per suite: per batch size and method, tokens/s (and against plain), latency, tokens per step,
-    identical outputs."""
+    """One table per suite: per batch size and method, tokens/s (and against plain in the same round), latency,
+    tokens per step, identical outputs."""
     m = result["machine"]
     s = result["settings"]
     methods = list(result["rounds"][0])
@@ -31,7 +48,8 @@ def vllm_markdown(result: dict) -> str:
              f"VLLM_CPU_KVCACHE_SPACE={m['kv_cache_gb']} GB.", "",
              f"Command: `{result['command']}`", "",
              f"Greedy, {s['max_new_tokens']} new tokens, k = {s['k']} drafts at most per request and step, "
-             f"engine {s['engine']}; {len(result['rounds'])} round(s), medians over rounds.", ""]
+             f"engine {s['engine']}; {len(result['rounds'])} round(s): medians over a cell's rounds, their range in "
+             f"brackets; × plain is the ratio to plain vLLM in the same round.", ""]
     loads = [x for r in result["rounds"] for rec in r.values() for run in rec.get("runs", {}).values()
              for x in run.get("load_average", ())]
     if loads:
@@ -47,16 +65,14 @@ def vllm_markdown(result: dict) -> str:
         lines += [f"## {suite}", "", "| batch | method | tokens/s | × plain | p50 latency s | p95 latency s | "
                   "tokens/step | identical to plain |", "|---|---|---|---|---|---|---|---|"]
         for key in (k for k in keys if k.startswith(suite + "/")):
-            plain = [r["tokens_per_s"] for r in _runs(result, "plain", key)]
-            base = statistics.median(plain) if plain else None
             for method in methods:
                 runs = _runs(result, method, key)
                 if not runs:
                     continue
-                tps = statistics.median(r["tokens_per_s"] for r in runs)
+                tps = [r["tokens_per_s"] for r in runs]
                 same, total = _identical(result, method, key)
-                lines.append(f"| {key.split('/')[1]} | {method} | {tps:.1f} | "
-                             f"{f'{tps / base:.2f}×' if base else '-'} | "
+                lines.append(f"| {key.split('/')[1]} | {method} | {_spread(tps)} | "
+                             f"{_spread(_ratios(result, method, key), '×')} | "
                              f"{statistics.median(r['latency_p50_s'] for r in runs):.2f} | "
                              f"{statistics.median(r['latency_p95_s'] for r in runs):.2f} | "
                              f"{statistics.median(r['tokens_per_step'] for r in runs):.2f} | {same}/{total} |")
