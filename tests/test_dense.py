@@ -322,3 +322,21 @@ def test_a_state_reader_that_loses_a_document_or_a_row_is_refused(tmp_path):
     with pytest.raises(DatastoreError, match="rows for a document of 10 tokens"):
         build_dense_store(tmp_path / "b", docs, cut, None, model, 1, 2, progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_index_tool_compares_the_stores_index_with_the_exact_search(tiny_lm, tiny_dense, monkeypatch):
+    """tools/dense_index.py on the tiny model: decode-time states, the store's inverted file against the exact
+    search over the same keys; with every list scanned it finds exactly what the exact search finds."""
+    from conftest import tool
+
+    dense_index = tool("dense_index")
+    states = dense_index.decode_states(tiny_lm, tiny_dense, [PROMPT, [2, 3]], 12)
+    assert states.shape == (24, tiny_lm.model.config.hidden_size)
+    monkeypatch.setattr(DenseStore, "exact_up_to", 100)
+    store = DenseStore.open(tiny_dense.path)
+    store.index.nprobe = store.index.nlist
+    got = dense_index.measure(store, states)
+    assert got["index"] == "IndexIVFFlat" and got["queries"] == 24 and got["recall"] == 1.0
+    assert got["index_ms"][0] > 0 and got["neighbours_exact_ms"][0] > 0
+    flat = dense_index.measure(tiny_dense, states)
+    assert flat["index"] == "IndexFlatIP" and flat["recall"] == 1.0
