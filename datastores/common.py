@@ -58,6 +58,9 @@ class Lookup:
     continuations: np.ndarray = field(repr=False)  # (k, L) int64, k <= max_matches
     # a dense store's answer: the (stream position, similarity) of each neighbour drafted from, nearest first
     neighbours: list = field(default_factory=list, repr=False)
+    # True: `matched_len` is a suffix length, which the draft tree weighs this source's rows by; False (a dense
+    # store: `matched_len` counts its neighbours): the tree gives its rows a suffix source's weight instead
+    by_suffix: bool = True
 
     def __repr__(self) -> str:  # keeps logs short: shape instead of the whole array
         return (f"Lookup(source={self.source!r}, matched_len={self.matched_len}, "
@@ -106,6 +109,8 @@ class StoreBase:
     source = ""
     successors_k = 0  # > 0: wants the model's top predictions after every tree node (`observe`)
     state_layer: int | None = None  # not None: wants the model's hidden state at this layer (`see_state`)
+    # True: looked up only in steps where the other stores draft nothing worth a wider pass (rest_core.draft)
+    fallback = False
 
     def begin(self, prompt: Sequence[int], n_max: int, n_min: int) -> None:
         """A request starts with this prompt, looked up with suffixes of n_min..n_max tokens."""

@@ -2,7 +2,7 @@
 
 One REST step (`rest_step`) runs the five phases of rest_core.phases in order:
 
-    retrieve  -> look the newest tokens up in every store       (retrieve.py)
+    retrieve  -> look the newest tokens up in every store       (retrieve.py; draft.py: the fallback stores)
     tree      -> merge continuations into a draft tree, sized    (tree.py, cost.py)
     forward   -> one model pass over the flattened tree          (verify.py: tree_forward)
     verify    -> walk the tree with the model's choices          (verify.py: verify)
@@ -27,14 +27,15 @@ from transformers import DynamicCache
 
 from datastores import Lookup, Store
 from rest_core.commit import compact_cache
+from rest_core.draft import draft
 from rest_core.hidden import StateTap, neighbour_windows, state_taps, tell_states
 from rest_core.kv_cache import new_cache
 from rest_core.model import LoadedModel
 from rest_core.phases import PHASES, PhaseTimer
-from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
+from rest_core.retrieve import RetrieveSettings
 from rest_core.sampling import Sampling, draw_token, greedy_choices, next_token_probs, successors_and_choices
 from rest_core.trace import Branch, StepHook, StepTrace
-from rest_core.tree import DraftTree, build_draft_tree, root_only, row_order
+from rest_core.tree import DraftTree, row_order
 from rest_core.verify import Verdict, tree_forward, verify
 
 if TYPE_CHECKING:
@@ -300,16 +301,9 @@ def rest_step(lm: LoadedModel, cache: DynamicCache, context: list[int], stores: 
     timer = PhaseTimer(sync=(lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else None)
     prefix_len = len(context) - 1
     budget = max(0, min(max_budget, lm.max_positions - prefix_len - 1))
-    with timer("retrieve"):
-        query = query_suffix(context, cfg.retrieve)
-        lookups = retrieve(query, stores, cfg.retrieve) if budget > 0 else []
-    with timer("tree"):
-        tree = build_draft_tree(context[-1], lookups, budget, dict(cfg.source_weights)) if lookups \
-            else root_only(context[-1])
-        why = None
-        if chooser is not None:
-            tree, why = chooser.decide(tree)
-            budget = tree.draft_size
+    query, lookups, tree, why = draft(timer, context, stores, cfg.retrieve, budget, dict(cfg.source_weights), chooser)
+    if chooser is not None:
+        budget = tree.draft_size
     with timer("forward"):
         logits, positions, mask = tree_forward(lm, tree, prefix_len, cache)
     with timer("verify"):

@@ -79,15 +79,29 @@ def source_weight(source: str, matched_len: int, base: dict[str, float]) -> floa
     return base.get(source, 1.0) * matched_len if matched_len > 0 else 0.0
 
 
+def lookup_weights(lookups, base_weights: dict[str, float]) -> list[float]:
+    """Each lookup's mixture weight.  A suffix source's is `source_weight`; a source whose `matched_len` is not a
+    suffix length (`by_suffix` False: a dense store, which counts its neighbours there) weighs as much as the
+    suffix sources that matched weigh on average (1.0 when none did), times its base weight: as heavy as one
+    more text source, whatever number of neighbours it reports, so its rows cannot crowd the text sources'
+    candidates out of the tree."""
+    by_suffix = [getattr(lk, "by_suffix", True) for lk in lookups]
+    weights = [source_weight(lk.source, lk.matched_len, base_weights) if suffix else 0.0
+               for lk, suffix in zip(lookups, by_suffix)]
+    matched = [w for w, suffix in zip(weights, by_suffix) if suffix and w > 0]
+    typical = sum(matched) / len(matched) if matched else 1.0
+    return [w if suffix else source_weight(lk.source, min(lk.matched_len, 1), base_weights) * typical
+            for lk, w, suffix in zip(lookups, weights, by_suffix)]
+
+
 def _stack_rows(lookups, base_weights: dict[str, float]):
     """All sources' continuation rows in one (k, L) array, each row's source index, and the
     weight of one row per source.  None when nothing can be drafted."""
     names = list(dict.fromkeys(lk.source for lk in lookups))  # draft sources in store order (ties go first)
     blocks, src_ids = [], []
     unit = np.zeros(len(names))  # weight of one continuation row, per source
-    for lk in lookups:
+    for lk, w in zip(lookups, lookup_weights(lookups, base_weights)):
         rows = lk.continuations
-        w = source_weight(lk.source, lk.matched_len, base_weights)
         if rows.shape[0] == 0 or w <= 0:
             continue
         s_id = names.index(lk.source)

@@ -9,7 +9,7 @@ from test_decode import _chi_square_p, _sample_many, _spread_out_case
 
 from datastores import DatastoreError, DenseStore, assemble_stores, build_dense_store
 from datastores.common import SEP
-from datastores.dense import chunks, reduce_states
+from datastores.dense import chunks, reduce_states, search_index
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
 from rest_core.hidden import dense_layer, layer_count, length_batches, model_fingerprint, sequence_states, state_reader
 
@@ -103,6 +103,49 @@ def test_the_neighbours_are_the_brute_force_nearest(tiny_dense, match_next):
         assert got.tolist() == want
         np.testing.assert_allclose(got_sims, sims[want], atol=1e-4)
     store.match_next = False
+
+
+def _clustered_keys(n=6000, dim=16, seed=3):
+    """Unit keys around 60 centres, as a model's states cluster (and queries near them)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(60, dim))
+    keys = centres[rng.integers(0, 60, n)] + 0.4 * rng.normal(size=(n, dim))
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+    queries = keys[rng.choice(n, 50, replace=False)] + 0.1 * rng.normal(size=(50, dim))
+    return keys.astype(np.float32), (queries / np.linalg.norm(queries, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_a_large_store_is_searched_through_an_inverted_file_that_finds_the_brute_force_nearest():
+    import faiss
+
+    keys, queries = _clustered_keys()
+    index = search_index(faiss, keys, exact_up_to=1000)
+    assert isinstance(index, faiss.IndexIVFFlat) and 8 <= index.nprobe < index.nlist
+    exact = np.argsort(-(queries @ keys.T), axis=1, kind="stable")[:, :32]  # (50, 32) brute force
+    _, found = index.search(queries, 32)
+    recall = np.mean([len(set(a) & set(b)) / 32 for a, b in zip(found.tolist(), exact.tolist())])
+    assert recall >= 0.9
+    index.nprobe = index.nlist  # every list scanned: the exact search
+    sims, found = index.search(queries, 32)
+    assert [set(row) for row in found.tolist()] == [set(row) for row in exact.tolist()]
+    np.testing.assert_allclose(sims, np.take_along_axis(queries @ keys.T, exact, axis=1), atol=1e-5)
+    assert isinstance(search_index(faiss, keys[:1000], exact_up_to=1000), faiss.IndexFlatIP)
+
+
+def test_a_store_searched_through_an_inverted_file_finds_the_neighbours_brute_force_finds(tiny_dense, monkeypatch):
+    monkeypatch.setattr(DenseStore, "exact_up_to", 100)  # the tiny store (a few hundred keys) as a large one
+    store = DenseStore.open(tiny_dense.path)
+    import faiss
+
+    assert isinstance(store.index, faiss.IndexIVFFlat)
+    store.index.nprobe = store.index.nlist
+    rng = np.random.default_rng(4)
+    for _ in range(10):
+        state = rng.normal(size=store.mean.shape[0]).astype(np.float32)
+        got, sims = store.neighbours(state, 5)
+        want, want_sims = tiny_dense.neighbours(state, 5)
+        assert set(got.tolist()) == set(want.tolist())
+        np.testing.assert_allclose(np.sort(sims), np.sort(want_sims), atol=1e-5)
 
 
 @pytest.mark.slow  # about 30 s on 2 cores: thousands of sampled decodes
@@ -280,3 +323,21 @@ def test_a_state_reader_that_loses_a_document_or_a_row_is_refused(tmp_path):
     with pytest.raises(DatastoreError, match="rows for a document of 10 tokens"):
         build_dense_store(tmp_path / "b", docs, cut, None, model, 1, 2, progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_index_tool_compares_the_stores_index_with_the_exact_search(tiny_lm, tiny_dense, monkeypatch):
+    """tools/dense_index.py on the tiny model: decode-time states, the store's inverted file against the exact
+    search over the same keys; with every list scanned it finds exactly what the exact search finds."""
+    from conftest import tool
+
+    dense_index = tool("dense_index")
+    states = dense_index.decode_states(tiny_lm, tiny_dense, [PROMPT, [2, 3]], 12)
+    assert states.shape == (24, tiny_lm.model.config.hidden_size)
+    monkeypatch.setattr(DenseStore, "exact_up_to", 100)
+    store = DenseStore.open(tiny_dense.path)
+    store.index.nprobe = store.index.nlist
+    got = dense_index.measure(store, states)
+    assert got["index"] == "IndexIVFFlat" and got["queries"] == 24 and got["recall"] == 1.0
+    assert got["index_ms"][0] > 0 and got["neighbours_exact_ms"][0] > 0
+    flat = dense_index.measure(tiny_dense, states)
+    assert flat["index"] == "IndexFlatIP" and flat["recall"] == 1.0

@@ -256,3 +256,34 @@ def test_every_node_counts_the_sources_whose_rows_run_through_it():
         for n in range(1, len(cut)):
             cut_path[n] = cut_path.get(int(cut.parents[n]), ()) + (int(cut.tokens[n]),)
         assert len(cut) == 4 and all(int(cut.agree[n]) == agree[cut_path[n]] for n in cut_path)
+
+
+def _dense_lookup(rows, neighbours):
+    """A dense store's answer: `matched_len` counts its neighbours, not a suffix (by_suffix False)."""
+    from datastores import Lookup
+
+    return Lookup("dense", neighbours, neighbours, np.array(rows, dtype=np.int64), by_suffix=False)
+
+
+def test_a_dense_source_weighs_as_much_as_the_text_sources_not_its_neighbour_count():
+    """32 neighbours do not make the dense rows outweigh a 2-token text match 16 to 1: they weigh as one more
+    text source (the matched ones' mean weight), so the text source's drafts keep their places in the tree."""
+    from rest_core.tree import lookup_weights
+
+    text = OracleLookup("static", 2, 1, np.array([[11, 12, 13]]))
+    request = OracleLookup("request", 4, 1, np.array([[31, 32, 33]]))
+    dense = _dense_lookup([[21 + i, 40, 41] for i in range(4) for _ in range(16)], 32)
+    assert lookup_weights([text, request, dense], {}) == [2.0, 4.0, 3.0]
+    assert lookup_weights([dense], {"dense": 0.5}) == [0.5]  # alone: weight 1, times its base weight
+    tree = build_draft_tree(1, [text, dense], budget=3)
+    assert tree_prefixes(tree) == [(11,), (11, 12), (11, 12, 13)]  # 2.0 each, against 0.5 per dense branch
+    tree = build_draft_tree(1, [text, dense], budget=4)
+    assert tree.scores[tree.children[0][11]] == 4 * tree.scores[tree.children[0][21]]
+    assert tree.sources[tree.children[0][21]] == "dense"
+
+
+def test_a_dense_source_that_found_nothing_weighs_nothing():
+    from rest_core.tree import lookup_weights
+
+    text = OracleLookup("static", 2, 1, np.array([[11, 12]]))
+    assert lookup_weights([text, _dense_lookup(np.zeros((0, 2)), 0)], {}) == [2.0, 0.0]

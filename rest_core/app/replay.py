@@ -200,8 +200,8 @@ def _neighbours_html(colour: str, neighbours: list[dict]) -> str:
     """A dense source's row: the places of its corpus where the model's state was nearest, each with its
     similarity and the text around it (the part after the place, what was drafted from, underlined)."""
     if not neighbours:
-        return ('<div class="suffix-row"><b>dense</b> no place near the model\'s state whose next token is the one '
-                'just committed</div>')
+        return ('<div class="suffix-row"><b>dense</b> no neighbours in this step (the store is searched only where '
+                'the other sources have no draft worth a pass)</div>')
     style = f"border-bottom:3px solid {colour}"
     places = "".join(
         f'<div class="suffix-row" style="margin-left:1em">{n["similarity"]:.2f}: '

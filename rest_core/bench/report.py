@@ -161,8 +161,9 @@ def _method_notes(summ: dict, greedy: bool) -> list[str]:
              "table per method, and start empty: each learns from its own method's forward passes over this run's "
              "prompts." + (" They are emptied at the start of every round." if rounds > 1 else "")),
             *(["The dense store (source 'dense', rest_full and rest_dense) is searched with the hidden state that "
-               "predicted the newest committed token, kept from the step's own forward pass; it is built once from "
-               "the model's answers to the general-text store's requests, none of them a benchmark prompt."]
+               "predicted the newest committed token, kept from the step's own forward pass (in rest_full only in the "
+               "steps where the other stores have no draft worth a pass); it is built once from the model's answers "
+               "to the general-text store's requests, none of them a benchmark prompt."]
               if any("dense" in sources for sources in (summ.get("by_source") or {}).values()) else []),
             ("Draft sources: draft nodes sent to the model and committed draft tokens per source, summed over "
              "prompts" + (" and rounds" if rounds > 1 else "") + "; acceptance = committed / sent."),
