@@ -92,7 +92,7 @@ class LiveAnswer:
 
     def metrics(self, rows: list[dict], elapsed_s: float, state: str = "running") -> str:
         calibrated, measured = self.paces()
-        return metrics_html(rows, elapsed_s, calibrated, state, measured, self.pacing.view_cost_s(rows))
+        return metrics_html(rows, elapsed_s, calibrated, state, measured, self.pacing.figures_cost_s(rows))
 
     def rows(self) -> list[dict]:
         """The steps stored so far (those read before, when the store cannot be read now)."""
@@ -163,7 +163,7 @@ class LiveAnswer:
             metrics += (f'<div class="metric-note">Figures of the {len(rows)} recorded steps; the whole answer: '
                         f"{len(result.tokens)} tokens in {result.steps} forward passes "
                         f"({result.tokens_per_s:.1f} tokens/s).</div>")
-        view_s = self.pacing.view_cost_s(rows)  # the redraws' own cost: left out, as in the estimate above
+        view_s = self.pacing.figures_cost_s(rows)  # the figures' own cost: left out, as in the estimate
         per_pass = 1e3 * (elapsed - view_s) / len(rows) if rows and not partial else None  # the wall time
         view = View(chat=self.chat, metrics=metrics + why_speed_html(rows, per_token, per_pass, self.curve,
                                                                      f"from {how}"),
