@@ -848,8 +848,8 @@ def test_live_redraws_mark_the_model_disturbed_while_they_are_built_and_drawn(en
 
 def test_the_chat_estimates_its_speedup_against_plain_decoding_as_measured(engine, session, monkeypatch):
     """Before the first chat a short plain decode measures plain decoding's pace (a one-token forward pass is
-    not plain decoding: the estimate read low against races); a race measures it again; the Chat tab's
-    estimate is REST's wall time against that pace."""
+    not plain decoding: the estimate read low against races); every race measures it again; the Chat tab's
+    estimate is REST's wall time against the fastest of the latest measurements."""
     from rest_core.app import decoding
 
     slot = engine.model("tiny")
@@ -865,7 +865,8 @@ def test_the_chat_estimates_its_speedup_against_plain_decoding_as_measured(engin
     run_turn(engine, session, TINY, PROMPT)
     assert paced == [decoding.PLAIN_PACE_TOKENS] and slot.plain_token_ms == before, "measured once per process"
     last = list(sup.race(engine, session, TINY, PROMPT))[-1]
-    assert last.done and slot.plain_token_ms != before  # the race's plain decode measured it again
+    assert last.done and len(slot.plain_paces) == 2  # the race's plain decode measured it again
+    assert slot.plain_token_ms == min(slot.plain_paces)  # the fastest: a plain decode slowed by the page reads slow
     rows = engine.recorder.load_steps(last.run_id)
     run = engine.recorder.get_run(last.run_id)
     tokens = sum(len(r["new_tokens"]) for r in rows)

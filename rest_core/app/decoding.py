@@ -207,8 +207,8 @@ def pace_plain(prep: Prepared) -> None:
 
 def note_plain_pace(slot: ModelSlot, plain: DecodeResult) -> None:
     """Plain decoding's time per token after the prefill, as `plain` (a timed plain decode) ran it."""
-    if plain.steps:
-        slot.plain_token_ms = 1e3 * max(0.0, plain.wall_s - plain.prefill_s) / plain.steps or None
+    if plain.steps and plain.wall_s > plain.prefill_s:
+        slot.plain_paces.append(1e3 * (plain.wall_s - plain.prefill_s) / plain.steps)
 
 
 def race_work(prep: Prepared, recording: Recording) -> Callable[[Emit], tuple[DecodeResult, DecodeResult]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +15,7 @@ from rest_core.app.settings import log
 from rest_core.app.streaming import Disturbance
 from rest_core.model import LoadedModel
 
+PLAIN_PACES = 4  # plain decoding's pace: the fastest of this many latest measurements
 CostFactory = Callable[[LoadedModel, Sequence[Store], str], Any]  # (model, stores, kind of prompt) -> budget chooser
 
 
@@ -41,7 +42,8 @@ class ModelSlot:
     cost_factory: CostFactory
     lock: threading.Lock = field(default_factory=threading.Lock)  # one decode at a time on this model
     drawing: Disturbance = field(default_factory=Disturbance)  # the live view's redraws (their steps teach no curve)
-    plain_token_ms: Optional[float] = None  # plain decoding per token, as last measured (a race, or before a chat)
+    plain_paces: deque = field(default_factory=lambda: deque(maxlen=PLAIN_PACES))  # plain decoding's ms per token,
+    # as the latest timed plain decodes ran it (every race, and one before the first chat)
     static: StoreSlot = field(default_factory=StoreSlot)
     answers: StoreSlot = field(default_factory=StoreSlot)  # the general-text store (the model's own answers)
     dense: StoreSlot = field(default_factory=StoreSlot)  # the dense store over those answers (hidden states)
@@ -96,6 +98,12 @@ class ModelSlot:
     def forward_curve(self) -> Optional[Callable[[int], float]]:
         """The forward-pass time of q tokens as calibrated on this machine, when a cost model exists already."""
         return next((c.forward_ms for c in list(self.costs.values()) if hasattr(c, "forward_ms")), None)
+
+    @property
+    def plain_token_ms(self) -> Optional[float]:
+        """Plain decoding's time per token: the fastest of the latest measurements (a plain decode that the page,
+        the browser or another program slowed reads slow; none reads fast)."""
+        return min(self.plain_paces) if self.plain_paces else None
 
     def plain_ms(self) -> Optional[float]:
         """A one-token forward pass as calibrated, when a cost model exists already (plain decoding as measured
