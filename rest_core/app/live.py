@@ -92,7 +92,7 @@ class LiveAnswer:
 
     def metrics(self, rows: list[dict], elapsed_s: float, state: str = "running") -> str:
         calibrated, measured = self.paces()
-        return metrics_html(rows, elapsed_s, calibrated, state, measured, self.pacing.figures_cost_s(rows))
+        return metrics_html(rows, elapsed_s, calibrated, state, measured)
 
     def rows(self) -> list[dict]:
         """The steps stored so far (those read before, when the store cannot be read now)."""
@@ -163,8 +163,7 @@ class LiveAnswer:
             metrics += (f'<div class="metric-note">Figures of the {len(rows)} recorded steps; the whole answer: '
                         f"{len(result.tokens)} tokens in {result.steps} forward passes "
                         f"({result.tokens_per_s:.1f} tokens/s).</div>")
-        view_s = self.pacing.figures_cost_s(rows)  # the figures' own cost: left out, as in the estimate
-        per_pass = 1e3 * (elapsed - view_s) / len(rows) if rows and not partial else None  # the wall time
+        per_pass = 1e3 * elapsed / len(rows) if rows and not partial else None  # the wall time, as a race's
         view = View(chat=self.chat, metrics=metrics + why_speed_html(rows, per_token, per_pass, self.curve,
                                                                      f"from {how}"),
                     run_id=self.run_id, done=True, notice=" ".join(filter(None, [self.notice, stopped])),

@@ -52,7 +52,6 @@ class Pacing:
         self.fig_steps: set[int] = set()  # steps that ran while figures were built, sent or drawn (not yet weighed)
         self.text_steps: set[int] = set()  # steps that ran while a text update was rendered (not yet weighed)
         self.noisy: set[int] = set()  # every step either overlapped: no reference for an undisturbed pass
-        self.beside_figures: set[int] = set()  # every step the figures overlapped
         self.text_sent = 0  # text updates since the latest weighing
         self.build_s = 0.0  # building and sending the latest figures here
 
@@ -60,7 +59,6 @@ class Pacing:
         """A step ended at `now`: which redraw, if any, it ran beside."""
         if now < self.fig_until:
             self.fig_steps.add(step_no)
-            self.beside_figures.add(step_no)
         elif now < self.text_until:
             self.text_steps.add(step_no)
         else:
@@ -98,11 +96,6 @@ class Pacing:
             self.text_sent = 0
             known = self.drawing.text_cost_s
             self.drawing.text_cost_s = per_update if known is None else known + TEXT_COST_WEIGHT * (per_update - known)
-
-    def figures_cost_s(self, rows: list[dict]) -> float:
-        """What the live figures so far cost the decode: the extra forward time of the stored steps beside them.
-        (The streamed text is left in: a race streams its text too.)"""
-        return redraw_cost_s(rows, self.beside_figures, self.curve, self.noisy)
 
     @property
     def fig_interval(self) -> float:

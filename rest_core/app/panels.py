@@ -101,10 +101,9 @@ def plain_estimate_ms(steps: list[dict], calibrated_ms: Optional[float],
 
 
 def metrics_html(steps: list[dict], elapsed_s: float, plain_ms: Optional[float] = None,
-                 state: str = "running", measured_ms: Optional[float] = None, view_s: float = 0.0) -> str:
+                 state: str = "running", measured_ms: Optional[float] = None) -> str:
     """Running figures: tokens per forward pass, tokens/s and the estimated speedup (REST's wall time so far
-    against plain decoding's time per token, `measured_ms` when a plain decode measured it).  `view_s`: what
-    the live figures cost the decode, as measured; the estimate leaves it out and says so."""
+    against plain decoding's time per token, `measured_ms` when a plain decode measured it)."""
     tokens = sum(len(s["new_tokens"]) for s in steps)
     passes = len(steps)
     drafted = sum(figures.step_counts(s)[0] for s in steps)
@@ -115,13 +114,10 @@ def metrics_html(steps: list[dict], elapsed_s: float, plain_ms: Optional[float] 
     note = ""
     per_token, how = plain_estimate_ms(steps, plain_ms, measured_ms)
     rest_ms = max(sum(step_ms(s) for s in steps), 1e3 * elapsed_s)  # the wall time, as a race times REST
-    view_ms = min(1e3 * view_s, rest_ms / 2)
     if per_token and rest_ms:
-        cells.append(("speedup (est.)", f"{tokens * per_token / (rest_ms - view_ms):.2f}×"))
-        left_out = (f"; leaving out the {view_ms:.0f} ms the live figures cost the decode (the extra time of the "
-                    "passes that ran while they were built and drawn)" if view_ms >= 1 else "")
+        cells.append(("speedup (est.)", f"{tokens * per_token / rest_ms:.2f}×"))
         note = (f'<div class="metric-note">Speedup estimated against plain decoding at {per_token:.0f} ms per '
-                f"token ({how}){left_out}; the Race tab measures it side by side.</div>")
+                f"token ({how}); the Race tab measures it side by side.</div>")
     body = "".join(f'<div class="metric"><div class="metric-v">{v}</div><div class="metric-k">{k}</div></div>'
                    for k, v in cells)
     return f'<div class="metrics" data-state="{state}">{body}</div>{note}'
