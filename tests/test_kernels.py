@@ -365,6 +365,7 @@ def test_the_blocked_kernel_is_built_once_per_machine_and_a_choice_that_needs_it
     lib = native.library()
     assert lib is not None
     monkeypatch.setattr(kernels, "machine_key", lambda: "machine-a")
+    monkeypatch.setattr(kernels, "probe_disagrees", lambda choice, layers: None)  # the made-up times below stand
     choice = tune_linears(make_tiny_lm(layers=1).model, "tiny-random")
     # a cache in which the blocked kernel won everywhere
     choice.timings_ms = {shape: {r: {"default": 10.0, "packed": 10.0, "transposed": 10.0, "blocked": 1.0,

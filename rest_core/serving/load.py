@@ -23,8 +23,6 @@ yet, by how the recent drafts fared at each depth.
 from __future__ import annotations
 
 import bisect
-import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -33,7 +31,8 @@ from typing import Optional
 
 import numpy as np
 
-from rest_base.files import cache_dir, safe_file_name, write_atomic
+from rest_base.calibration import CalibrationFile
+from rest_base.files import safe_file_name
 
 BATCHES = (1, 2, 4, 8, 16)  # batch sizes the step cost is measured at
 DRAFTS = (0, 1, 2, 4, 8)  # draft tokens per request measured at each batch size
@@ -108,24 +107,24 @@ def _extend(x: np.ndarray, xs: Sequence[float], ys: Sequence[float]) -> np.ndarr
     return ys_[j] + slope * (x - xs_[j])
 
 
+def curve_file(key: str) -> CalibrationFile:
+    """The step-cost table of one model, engine and machine (`key`), in the cache beside the decoder's curves."""
+    return CalibrationFile("cost", "vllm", safe_file_name(key), CURVE_VERSION)
+
+
 def curve_path(key: str) -> Path:
-    """Where the step-cost table of one model, engine and machine (`key`) is kept."""
-    return cache_dir() / "cost" / f"vllm-{safe_file_name(key)}.json"
+    return curve_file(key).path
 
 
 def load_curve(key: str) -> Optional[StepCost]:
-    path = curve_path(key)
-    try:
-        return StepCost.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return None
+    data = curve_file(key).read()
+    return StepCost.from_json(data) if data is not None else None
 
 
 def save_curve(key: str, cost: StepCost, about: dict) -> Path:
-    path = curve_path(key)
-    write_atomic(path, json.dumps({**cost.to_json(), **about,
-                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1).encode())
-    return path
+    calibration = curve_file(key)
+    calibration.write({**cost.to_json(), **about})
+    return calibration.path
 
 
 def plan_drafts(chances: Sequence[Sequence[float]], cost, batch: Optional[int] = None,
