@@ -54,8 +54,10 @@ def draft(timer: PhaseTimer, context: Sequence[int], stores: Sequence[Store], se
         with timer("retrieve"):
             extra = retrieve(query, [stores[i] for i in spare], settings)
         if any(lk.continuations.shape[0] for lk in extra):
+            every = _in_order(found, extra, spare)
             with timer("tree"):
-                tree, why = _tree(context[-1], _in_order(found, extra, spare), budget, weights, chooser)
+                tree, why = _tree(context[-1], every, budget, weights, chooser)
+            return query, every, tree, why
     return query, _in_order(found, extra, spare), tree, why
 
 

@@ -263,12 +263,13 @@ def tune_linears(model: nn.Module, name: str, cache: bool = True, report: Option
     choice = _read_cache(calibration, shapes) if cache and os.environ.get("REST_LAB_RECALIBRATE") != "1" else None
     if choice is not None and not _fits_here(choice, shapes):
         choice = None  # timed where other kernels could run than here: measured again
+    from_cache = choice is not None  # a kept choice is checked by a quick probe; a fresh one was just measured
     if choice is None:
         choice = _measure_and_keep(layers, calibration, cache, report, progress,
                                    f"timing {len(KERNELS)} linear kernels for {name}'s {len(shapes)} weight shapes "
                                    f"at {len(ROWS)} row counts on this machine (once per model and machine)")
     _pack_for(choice, layers, shapes)
-    why = probe_disagrees(choice, layers) if choice.measured_s == 0.0 else None  # read from the cache: checked
+    why = probe_disagrees(choice, layers) if from_cache else None
     if why is not None:
         choice = _measure_and_keep(layers, calibration, cache, report, progress,
                                    f"the kept kernel choice disagrees with a quick probe ({why}): timing them again")
