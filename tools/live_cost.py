@@ -174,7 +174,8 @@ def run_numbers(db: Path, run_id: int) -> dict:
             "tokens_per_s": tokens / run["wall_s"] if run["wall_s"] else None,
             "step_ms": 1e3 * run["wall_s"] / max(1, len(steps)),
             "per_pass": tokens / max(1, len(steps)), "forward": forward,
-            "speedup": run["speedup"], "settings": json.loads(run["settings"] or "{}")}
+            "speedup": run["speedup"], "settings": json.loads(run["settings"] or "{}"),
+            "plain_ms_per_token": 1e3 / run["plain_tokens_per_s"] if run.get("plain_tokens_per_s") else None}
 
 
 def forward_ratio(chat: dict, race: dict) -> float | None:
@@ -187,9 +188,12 @@ def forward_ratio(chat: dict, race: dict) -> float | None:
     return sum(r * w for r, w in zip(ratios, weights)) / sum(weights) if weights else None
 
 
-def estimate_of(page) -> float | None:
-    found = re.search(r"([0-9.]+)×\s*speedup \(est\.\)", page.inner_text("#metrics"))
-    return float(found.group(1)) if found else None
+def estimate_of(page) -> tuple[float | None, float | None]:
+    """The Chat tab's estimated speedup and the plain pace (ms per token) its note says it divided."""
+    text = page.inner_text("#metrics")
+    found = re.search(r"([0-9.]+)×\s*speedup \(est\.\)", text)
+    pace = re.search(r"plain decoding at ([0-9.]+) ms per token", text)
+    return (float(found.group(1)) if found else None), (float(pace.group(1)) if pace else None)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -216,13 +220,15 @@ def measure(args: argparse.Namespace) -> dict:
                     # each in a page of its own (a new visitor: no past answers, the model's predictions not
                     # learned from the other), in turn first, so neither drafts from the other nor gains from drift
                     ids = {}
-                    for kind in (("race", "chat") if (rnd + i) % 2 == 0 else ("chat", "race")):
+                    order = ("race", "chat") if (rnd + i) % 2 == 0 else ("chat", "race")
+                    for kind in order:
                         with closing(open_page()) as page:
                             ids[kind] = (race if kind == "race" else chat)(page, db, prompt)
                             if kind == "chat":
-                                ids["estimate"] = estimate_of(page)
+                                ids["estimate"], ids["plain_ms"] = estimate_of(page)
                     r, c = run_numbers(db, ids["race"]), run_numbers(db, ids["chat"])
-                    rows.append({"round": rnd, "prompt": prompt, "race": r, "chat": c, "estimate": ids["estimate"],
+                    rows.append({"round": rnd, "prompt": prompt, "order": order, "race": r, "chat": c, "estimate": ids["estimate"],
+                                 "estimate_plain_ms": ids["plain_ms"],
                                  "tokens_per_s_ratio": c["tokens_per_s"] / r["tokens_per_s"],
                                  "step_ratio": c["step_ms"] / r["step_ms"], "forward_ratio": forward_ratio(c, r)})
                     print(_line(rows[-1]), flush=True)

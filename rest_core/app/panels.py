@@ -116,7 +116,7 @@ def metrics_html(steps: list[dict], elapsed_s: float, plain_ms: Optional[float] 
     rest_ms = max(sum(step_ms(s) for s in steps), 1e3 * elapsed_s)  # the wall time, as a race times REST
     if per_token and rest_ms:
         cells.append(("speedup (est.)", f"{tokens * per_token / rest_ms:.2f}×"))
-        note = (f'<div class="metric-note">Speedup estimated against plain decoding at {per_token:.0f} ms per '
+        note = (f'<div class="metric-note">Speedup estimated against plain decoding at {per_token:.1f} ms per '
                 f"token ({how}); the Race tab measures it side by side.</div>")
     body = "".join(f'<div class="metric"><div class="metric-v">{v}</div><div class="metric-k">{k}</div></div>'
                    for k, v in cells)
