@@ -1,6 +1,8 @@
 """The vLLM proposer's choices without vLLM: the step-cost table, the batch's draft plan, the request states."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -410,3 +412,65 @@ def test_propose_cost_replays_outputs_through_the_drafter_and_times_each_call(tm
     assert all(ms >= 0 for _, ms, *_ in calls) and clock.engine_s > 0
     assert [c[3] for c in calls][0] == 2 and calls[-1][3] >= 1  # two in flight, the third replaces the first
     assert "tokens per request-step" in propose_cost.summary(calls, 60, "round 1")
+
+
+# -- what the drafter reports of its own time ------------------------------------------------------------------
+def test_the_drafter_reports_its_counts_and_its_own_time_and_the_engine_s(tmp_path):
+    from rest_core.serving.drafter import REPORT_EVERY
+
+    clock = FakeTime()
+    drafter = make_drafter(tmp_path)
+    drafter.clock = clock.perf_counter
+    reports = []
+    drafter.report = reports.append
+    tokens = [3, 4, 5, 6]
+    for n in range(2 * REPORT_EVERY):
+        new = [tokens[-1]] if n == 0 else [5]  # every chain rejected at its first draft: one token a step
+        tokens = tokens if n == 0 else tokens + new
+        drafter.step(["a"], [new], [len(tokens)], rows(tokens, width=256))
+        clock.pass_ms(40.0)  # the engine's step between two calls
+    assert len(reports) == 2 and reports[-1]["steps"] == 2 * REPORT_EVERY
+    last = reports[-1]
+    # a fake clock that does not move inside step(): propose() took no time, the engine 40 ms a step
+    assert last["propose_ms"] == 0.0 and last["timed_steps"] == 2 * REPORT_EVERY - 1
+    assert last["engine_ms"] == pytest.approx(40.0 * (2 * REPORT_EVERY - 1))
+    reports[0]["steps"] = -1  # a report is a copy: the drafter's own counts go on unchanged
+    assert drafter.stats["steps"] == 2 * REPORT_EVERY
+
+
+def test_an_unwritable_propose_log_stops_the_drafter_at_start_up(tmp_path, monkeypatch):
+    from datastores import DatastoreError
+    from rest_core.serving import config
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("REST_LAB_PROPOSE_LOG", str(blocker / "report.json"))  # a folder that is a file
+    with pytest.raises(DatastoreError, match="REST_LAB_PROPOSE_LOG=.*cannot be written"):
+        config.open_drafter("m", None, max_drafts=4, max_len=512, engine_key="k")  # before any store is opened
+    good = tmp_path / "logs" / "report.json"
+    monkeypatch.setenv("REST_LAB_PROPOSE_LOG", str(good))
+    report = config.propose_log()
+    report({"steps": 3, "propose_ms": 1.5})
+    assert json.loads(good.read_text()) == {"steps": 3, "propose_ms": 1.5}
+    monkeypatch.delenv("REST_LAB_PROPOSE_LOG")
+    assert config.propose_log() is None
+
+
+def test_the_benchmark_gives_propose_s_share_of_each_engine_step():
+    from rest_core.serving.bench import drafter_times
+    from rest_core.serving.report import vllm_markdown
+
+    before = {"steps": 10, "drafting_steps": 5, "propose_ms": 5.0, "drafting_propose_ms": 4.0, "engine_ms": 500.0,
+              "timed_steps": 9}
+    after = {"steps": 110, "drafting_steps": 55, "propose_ms": 75.0, "drafting_propose_ms": 64.0,
+             "engine_ms": 5500.0, "timed_steps": 109}
+    got = drafter_times(before, after)
+    assert got == {"propose_ms_per_step": pytest.approx(0.7), "propose_ms_per_lookup_step": pytest.approx(1.2),
+                   "lookup_share": pytest.approx(0.5), "engine_ms_per_step": pytest.approx(50.0)}
+    assert drafter_times(None, None) == {} and drafter_times({}, {"steps": 0}) == {}
+    result = bench_result({"plain": [100.0], "rest": [105.0]})
+    result["rounds"][0]["plain"]["runs"]["chat/16"]["ms_per_engine_step"] = 52.04
+    result["rounds"][0]["rest"]["runs"]["chat/16"].update(ms_per_engine_step=55.0, propose_ms_per_step=0.712)
+    text = vllm_markdown(result).splitlines()
+    assert "| 52.0 |" in next(line for line in text if line.startswith("| 16 | plain |"))
+    assert "| 55.0 (0.71) |" in next(line for line in text if line.startswith("| 16 | rest |"))

@@ -30,7 +30,8 @@ def env(default_store, tmp_path_factory):
     (folder / "cost.json").write_text(json.dumps(cost.to_json()))
     python = vllm_python()
     env = vllm_env(python)
-    env.update(REST_LAB_STEP_COST=str(folder / "cost.json"), REST_LAB_ANSWERS="none", REST_LAB_STORE="default")
+    env.update(REST_LAB_STEP_COST=str(folder / "cost.json"), REST_LAB_ANSWERS="none", REST_LAB_STORE="default",
+               REST_LAB_PROPOSE_LOG=str(folder / "propose.json"))
     return python, env, folder
 
 
@@ -43,6 +44,11 @@ def test_rest_drafting_keeps_plain_vllm_greedy_outputs_at_batch_1_and_8(env, def
     for batch in ("1", "8"):
         assert got["rest"][batch] == got["plain"][batch], f"outputs differ at batch {batch}"
     assert got["accepted"] > 0  # REST's drafts were accepted: the outputs came through drafting
+    # the drafter inside the engine reported its own time and the engine's between its calls
+    report = got["report"]
+    assert report["steps"] >= 16 and report["drafting_steps"] > 0 and report["accepted"] > 0
+    assert 0 < report["propose_ms"] and 0 < report["timed_steps"] <= report["steps"]
+    assert report["engine_ms"] / report["timed_steps"] > report["propose_ms"] / report["steps"]
 
 
 def test_a_store_of_another_tokenizer_stops_the_engine_at_start_up(env, default_lm, tmp_path):

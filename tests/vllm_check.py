@@ -1,10 +1,12 @@
 """Run by tests/test_vllm.py in .venv-vllm: greedy outputs of plain vLLM and of vLLM with REST drafting.
 
-    python tests/vllm_check.py MODEL OUT.json   -> {"plain": {batch: [[ids]...]}, "rest": {...}, "accepted": n}
+    python tests/vllm_check.py MODEL OUT.json   -> {"plain": {batch: [[ids]...]}, "rest": {...}, "accepted": n,
+                                                    "report": the drafter's last report (REST_LAB_PROPOSE_LOG)}
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 PROMPTS = 8
@@ -36,6 +38,8 @@ def main(model: str, path: str) -> None:
         result[method] = {str(b): outputs(llm, prompts, b) for b in (1, 8)}
         if method == "rest":
             result["accepted"] = counters(llm)["vllm:spec_decode_num_accepted_tokens"]
+            report = os.environ.get("REST_LAB_PROPOSE_LOG")
+            result["report"] = json.loads(open(report).read()) if report else None
         llm.llm_engine.engine_core.shutdown()
         del llm
     with open(path, "w") as f:

@@ -227,8 +227,8 @@ def measure(args: argparse.Namespace) -> dict:
                             if kind == "chat":
                                 ids["estimate"], ids["plain_ms"] = estimate_of(page)
                     r, c = run_numbers(db, ids["race"]), run_numbers(db, ids["chat"])
-                    rows.append({"round": rnd, "prompt": prompt, "order": order, "race": r, "chat": c, "estimate": ids["estimate"],
-                                 "estimate_plain_ms": ids["plain_ms"],
+                    rows.append({"round": rnd, "prompt": prompt, "order": order, "race": r, "chat": c,
+                                 "estimate": ids["estimate"], "estimate_plain_ms": ids["plain_ms"],
                                  "tokens_per_s_ratio": c["tokens_per_s"] / r["tokens_per_s"],
                                  "step_ratio": c["step_ms"] / r["step_ms"], "forward_ratio": forward_ratio(c, r)})
                     print(_line(rows[-1]), flush=True)

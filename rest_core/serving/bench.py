@@ -28,12 +28,16 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from rest_base.files import read_json
 
 ENGINE = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "disable_log_stats": False}
 METHODS = ("plain", "ngram", "suffix", "rest", "empty")
 DEFAULT_METHODS = METHODS[:4]  # `empty` is a diagnosis, run when asked for
+PROPOSE_LOG = Path(tempfile.gettempdir()) / "rest-lab-propose.json"  # one file per run, named after it
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
 
@@ -69,12 +73,14 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int) -> dict:
     before = counters(llm)
     waiting = list(range(len(prompts)))
     started, done = {}, {}
+    steps = 0
     t0 = time.perf_counter()
     while waiting or len(done) < len(prompts):
         while waiting and len(started) - len(done) < batch:
             i = waiting.pop(0)
             started[i] = time.perf_counter()
             engine.add_request(str(i), {"prompt_token_ids": list(prompts[i].ids)}, params)
+        steps += 1
         for out in engine.step():
             if out.finished:
                 i = int(out.request_id)
@@ -88,8 +94,24 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int) -> dict:
     return {"batch": batch, "wall_s": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall,
             "latency_p50_s": statistics.median(latencies),
             "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
-            "tokens_per_step": tokens / max(tokens - accepted, 1), **delta,
+            "tokens_per_step": tokens / max(tokens - accepted, 1), "engine_steps": steps,
+            "ms_per_engine_step": 1e3 * wall / max(steps, 1), **delta,
             "outputs": {prompts[i].id: done[i][0] for i in sorted(done)}}
+
+
+def drafter_times(before, after) -> dict:
+    """propose()'s own milliseconds per engine step (in all, and in the steps that looked up) and the engine's
+    between two calls, from the REST drafter's reports at the start and end of a run (nothing for the methods
+    that write none)."""
+    if not isinstance(after, dict) or not after.get("steps"):
+        return {}
+    before = before if isinstance(before, dict) else {}
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "drafting_steps", "propose_ms",
+                                                          "drafting_propose_ms", "engine_ms", "timed_steps")}
+    return {"propose_ms_per_step": d["propose_ms"] / max(d["steps"], 1),
+            "propose_ms_per_lookup_step": d["drafting_propose_ms"] / max(d["drafting_steps"], 1),
+            "lookup_share": d["drafting_steps"] / max(d["steps"], 1),
+            "engine_ms_per_step": d["engine_ms"] / max(d["timed_steps"], 1)}
 
 
 def run_method(model: str, method: str, k: int, suites: dict, batch: int, max_new_tokens: int) -> dict:
@@ -98,6 +120,9 @@ def run_method(model: str, method: str, k: int, suites: dict, batch: int, max_ne
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    report = PROPOSE_LOG.with_name(f"{PROPOSE_LOG.stem}-{os.getpid()}-{method}-{batch}.json")
+    report.unlink(missing_ok=True)
+    os.environ["REST_LAB_PROPOSE_LOG"] = str(report)  # REST's drafter reports its own time there
     try:
         llm = LLM(model, speculative_config=speculative_config(method, k), **ENGINE)
     except Exception as err:  # a method that cannot start (suffix without arctic-inference) is reported, not fatal
@@ -107,11 +132,14 @@ def run_method(model: str, method: str, k: int, suites: dict, batch: int, max_ne
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     for suite, prompts in suites.items():
         load = os.getloadavg()[0]  # other programs' work on the machine, before and after the run
+        drafter = read_json(report)
         r = rec["runs"][f"{suite}/{batch}"] = run_batch(llm, prompts, batch, max_new_tokens)
         r["load_average"] = [load, os.getloadavg()[0]]
+        r.update(drafter_times(drafter, read_json(report)))
         print(f"  {method:7s} {suite:9s} batch {batch:2d}: {r['tokens_per_s']:7.1f} tokens/s, "
               f"{r['tokens_per_step']:.2f} tokens/step", flush=True)
     llm.llm_engine.engine_core.shutdown()
+    report.unlink(missing_ok=True)
     del llm
     gc.collect()
     return rec

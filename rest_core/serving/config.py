@@ -8,6 +8,8 @@
     REST_LAB_HISTORY      tokens of served outputs kept as a draft source (default 200000; 0: none)
     REST_LAB_STEP_COST    a step-cost file (default: the one `rest-lab calibrate-vllm` measured for this model,
                           engine and machine)
+    REST_LAB_PROPOSE_LOG  a JSON file the drafter rewrites every 16 steps with its counts and times (steps,
+                          drafts given and accepted, propose()'s own milliseconds, the engine's between two calls)
 
 A store that is missing, corrupt or built with another tokenizer stops the server at start-up with the reason and
 the fix; the drafter never runs silently empty.
@@ -17,11 +19,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 from datastores import DatastoreError, HistoryStore, Store, open_answers, open_static_store
 from datastores.fingerprint import tokenizer_fingerprint
+from rest_base.files import write_atomic
 from rest_core.cost import CostModel
 from rest_core.serving.drafter import RestDrafter
 from rest_core.serving.load import StepCost, curve_path, load_curve
@@ -90,6 +95,7 @@ def step_cost(engine_key: str) -> StepCost:
 
 def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engine_key: str) -> RestDrafter:
     """The drafter for a served model, its stores opened as the environment says (see the module docstring)."""
+    report = propose_log()
     name = rest_lab_model_name(model)
     static = open_static_store(os.environ.get("REST_LAB_STORE", "default"), tokenizer, progress=False)
     answers = _answers(name, tokenizer)
@@ -109,5 +115,37 @@ def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engi
     cost = step_cost(engine_key)
     log.info("REST Lab drafting for %s: stores %s, history %s tokens, tokenizer %s, step cost %s", name,
              [s.label for s in chat], history_tokens, tokenizer_fingerprint(tokenizer)[:12], engine_key)
-    return RestDrafter({"text": text, "chat": chat}, choosers, cost, max_drafts=max_drafts, max_len=max_len,
-                       chat_markers=chat_markers(tokenizer), history=history)
+    drafter = RestDrafter({"text": text, "chat": chat}, choosers, cost, max_drafts=max_drafts, max_len=max_len,
+                          chat_markers=chat_markers(tokenizer), history=history)
+    drafter.report = report
+    if report is not None:
+        report(dict(drafter.stats))
+    return drafter
+
+
+def propose_log() -> Optional[Callable[[dict], None]]:
+    """Where the drafter reports its counts and times (REST_LAB_PROPOSE_LOG), tried once at start-up: a file
+    that cannot be written stops the server with the reason, before any store is opened."""
+    if not os.environ.get("REST_LAB_PROPOSE_LOG"):
+        return None
+    path = Path(os.environ["REST_LAB_PROPOSE_LOG"]).expanduser()
+    try:
+        write_atomic(path, b"{}")
+    except OSError as err:
+        raise DatastoreError(f"REST_LAB_PROPOSE_LOG={path} cannot be written ({err}); name a file in a folder "
+                             "that can be written, or unset it") from None
+    return partial(write_report, path)
+
+
+def write_report(path: Path, stats: dict) -> None:
+    """The drafter's counts and times so far, replacing the file's last report (a report that cannot be written
+    is said in the log once and not tried again: serving goes on)."""
+    try:
+        write_atomic(path, json.dumps(stats).encode())
+    except OSError as err:
+        if path not in _UNWRITABLE:
+            _UNWRITABLE.add(path)
+            log.warning("REST Lab: REST_LAB_PROPOSE_LOG=%s cannot be written (%s); no more reports", path, err)
+
+
+_UNWRITABLE: set = set()

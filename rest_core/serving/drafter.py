@@ -38,6 +38,7 @@ TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best 
 SAVE_EVERY = 32  # ended requests between two saves of the learned acceptance counts
 ENDED_KEPT = 4096  # ids of recently ended requests remembered, so a preempted one's output joins the history once
 LEARNED = 64  # drafts a source must have had tested before the cost model's chances alone value its chains
+REPORT_EVERY = 16  # steps between two reports of the drafter's counts and times (where one is asked for)
 
 
 @dataclass
@@ -105,7 +106,11 @@ class RestDrafter:
         self.recent = RecentChains()  # what the newest lookups found
         self._last: Optional[tuple[float, dict[str, int]]] = None  # when step() last returned, the drafts it gave
         # drafted / accepted: drafts verified and kept; expected: the plan's chances of those drafts, summed
-        self.stats = {"steps": 0, "drafting_steps": 0, "drafted": 0, "accepted": 0, "expected": 0.0}
+        self.stats = {"steps": 0, "drafting_steps": 0, "drafted": 0, "accepted": 0, "expected": 0.0,
+                      # propose()'s own time, in all and in the steps that looked up; the engine's time between
+                      # two calls, over the steps where every request only decoded (timed_steps of them)
+                      "propose_ms": 0.0, "drafting_propose_ms": 0.0, "engine_ms": 0.0, "timed_steps": 0}
+        self.report: Optional[Callable[[dict], None]] = None  # given the stats every REPORT_EVERY steps
 
     # -- the requests ------------------------------------------------------------------------------------------
     def _forget_absent(self, running: set) -> None:
@@ -177,6 +182,10 @@ class RestDrafter:
         out, drafting = self._draft(req_ids, sampled, lengths, tokens)
         end = self.clock()
         self.propose_time.add(drafting, len(req_ids), (end - start) * 1e3)
+        self.stats["propose_ms"] += (end - start) * 1e3
+        self.stats["drafting_propose_ms"] += (end - start) * 1e3 if drafting else 0.0
+        if self.report is not None and self.stats["steps"] % REPORT_EVERY == 0:
+            self.report(dict(self.stats))
         self._last = (end, {rid: len(out[i]) for i, rid in enumerate(req_ids) if len(sampled[i])})
         return out
 
@@ -189,6 +198,8 @@ class RestDrafter:
         end, given = self._last
         if all(len(s) for s in sampled) and all(rid in given for rid in req_ids):
             self.cost.observe(len(req_ids), sum(given[rid] for rid in req_ids), (now - end) * 1e3)
+            self.stats["engine_ms"] += (now - end) * 1e3
+            self.stats["timed_steps"] += 1
 
     def _draft(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
                tokens: np.ndarray) -> tuple[list[list[int]], bool]:

@@ -36,6 +36,17 @@ def _spread(values: list[float], unit: str = "") -> str:
     return text
 
 
+def _step_ms(runs: list[dict]) -> str:
+    """A cell's milliseconds per engine step, and of them propose()'s own (REST's drafter reports it), medians
+    over the rounds; '-' for runs from before the steps were counted."""
+    steps = [r["ms_per_engine_step"] for r in runs if r.get("ms_per_engine_step")]
+    if not steps:
+        return "-"
+    propose = [r["propose_ms_per_step"] for r in runs if r.get("propose_ms_per_step") is not None]
+    inner = f" ({statistics.median(propose):.2f})" if propose else ""
+    return f"{statistics.median(steps):.1f}{inner}"
+
+
 def vllm_markdown(result: dict) -> str:
     """One table per suite: per batch size and method, tokens/s (and against plain in the same round), latency,
     tokens per step, identical outputs."""
@@ -49,7 +60,8 @@ def vllm_markdown(result: dict) -> str:
              f"Command: `{result['command']}`", "",
              f"Greedy, {s['max_new_tokens']} new tokens, k = {s['k']} drafts at most per request and step, "
              f"engine {s['engine']}; {len(result['rounds'])} round(s): medians over a cell's rounds, their range in "
-             f"brackets; × plain is the ratio to plain vLLM in the same round.", ""]
+             f"brackets; × plain is the ratio to plain vLLM in the same round; ms/step is the wall time per engine "
+             f"step, propose()'s own share of it in brackets (REST's drafter reports it).", ""]
     loads = [x for r in result["rounds"] for rec in r.values() for run in rec.get("runs", {}).values()
              for x in run.get("load_average", ())]
     if loads:
@@ -63,7 +75,7 @@ def vllm_markdown(result: dict) -> str:
                   key=lambda k: (k.split("/")[0], int(k.split("/")[1])))
     for suite in dict.fromkeys(k.split("/")[0] for k in keys):
         lines += [f"## {suite}", "", "| batch | method | tokens/s | × plain | p50 latency s | p95 latency s | "
-                  "tokens/step | identical to plain |", "|---|---|---|---|---|---|---|---|"]
+                  "tokens/step | ms/step (propose) | identical to plain |", "|---|---|---|---|---|---|---|---|---|"]
         for key in (k for k in keys if k.startswith(suite + "/")):
             for method in methods:
                 runs = _runs(result, method, key)
@@ -75,6 +87,7 @@ def vllm_markdown(result: dict) -> str:
                              f"{_spread(_ratios(result, method, key), '×')} | "
                              f"{statistics.median(r['latency_p50_s'] for r in runs):.2f} | "
                              f"{statistics.median(r['latency_p95_s'] for r in runs):.2f} | "
-                             f"{statistics.median(r['tokens_per_step'] for r in runs):.2f} | {same}/{total} |")
+                             f"{statistics.median(r['tokens_per_step'] for r in runs):.2f} | {_step_ms(runs)} | "
+                             f"{same}/{total} |")
         lines.append("")
     return "\n".join(lines)
