@@ -389,6 +389,20 @@ def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():
             rounds_per_batch([1, 4, 16], 1, [bad])
 
 
+def test_a_method_may_carry_its_own_draft_length_and_a_wrong_one_is_refused():
+    from rest_core.serving.bench import main, method_spec, speculative_config
+
+    assert method_spec("rest") == ("rest", None) and method_spec("ngram@16") == ("ngram", 16)
+    assert speculative_config(*method_spec("rest@12"))["num_speculative_tokens"] == 12
+    for bad in ("rest@", "rest@0", "rest@x", "plain@8", "medusa", "medusa@4"):
+        with pytest.raises(SystemExit, match="METHOD@K"):
+            method_spec(bad)
+    with pytest.raises(SystemExit, match="twice"):
+        main(["--methods", "plain", "rest", "plain"])
+    with pytest.raises(SystemExit, match="unknown method 'rest@x'"):
+        main(["--methods", "plain", "rest@x"])
+
+
 def test_the_empty_proposer_drafts_nothing_for_every_request():
     from rest_core.vllm import NoDraftProposer
 

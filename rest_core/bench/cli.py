@@ -49,7 +49,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "drafting at several batch sizes (in .venv-vllm: scripts/setup.sh --vllm)")
     g.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="vllm: requests in flight")
     g.add_argument("--vllm-methods", nargs="+", default=None,
-                   help="vllm: plain ngram suffix rest (default: these four), empty (a proposer that never drafts)")
+                   help="vllm: plain ngram suffix rest (default: these four), empty (a proposer that never drafts); "
+                        "METHOD@K gives a drafting method its own draft length (e.g. rest@16; the others: 8)")
     g.add_argument("--vllm-rounds-at", nargs="+", default=None, metavar="BATCH=N",
                    help="vllm: more rounds (interleaved) at these batch sizes than --repeats, e.g. 16=3")
     g.add_argument("--prompts", nargs="+", default=None, metavar="ID",

@@ -42,6 +42,16 @@ COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
 
 
+def method_spec(spec: str) -> tuple[str, int | None]:
+    """A method as the command line names it: `rest`, or `rest@16` for that method with its own
+    num_speculative_tokens (the others keep --k); SystemExit with the choices for anything else."""
+    name, at, k = spec.partition("@")
+    if name not in METHODS or (at and not (k.isdigit() and int(k) >= 1)) or (at and name == "plain"):
+        raise SystemExit(f"unknown method {spec!r}: choose from {', '.join(METHODS)}, each drafting method "
+                         f"optionally with its own draft length as METHOD@K (e.g. rest@16)")
+    return name, int(k) if at else None
+
+
 def speculative_config(method: str, k: int):
     if method == "plain":
         return None
@@ -114,20 +124,23 @@ def drafter_times(before, after) -> dict:
             "engine_ms_per_step": d["engine_ms"] / max(d["timed_steps"], 1)}
 
 
-def run_method(model: str, method: str, k: int, suites: dict, batch: int, max_new_tokens: int) -> dict:
-    """One method at one batch size on a fresh engine: what a method caches across requests (suffix decoding's
-    tree of past outputs, REST's history) holds only what this run served, never the answers of a run before."""
+def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_tokens: int) -> dict:
+    """One method (`name` or `name@k`) at one batch size on a fresh engine: what a method caches across requests
+    (suffix decoding's tree of past outputs, REST's history) holds only what this run served, never the answers
+    of a run before."""
     from vllm import LLM, SamplingParams
 
+    method, own_k = method_spec(spec)
+    k = own_k or k
     t0 = time.perf_counter()
-    report = PROPOSE_LOG.with_name(f"{PROPOSE_LOG.stem}-{os.getpid()}-{method}-{batch}.json")
+    report = PROPOSE_LOG.with_name(f"{PROPOSE_LOG.stem}-{os.getpid()}-{method}-{k}-{batch}.json")
     report.unlink(missing_ok=True)
     os.environ["REST_LAB_PROPOSE_LOG"] = str(report)  # REST's drafter reports its own time there
     try:
         llm = LLM(model, speculative_config=speculative_config(method, k), **ENGINE)
     except Exception as err:  # a method that cannot start (suffix without arctic-inference) is reported, not fatal
         return {"error": f"{type(err).__name__}: {err}"}
-    rec = {"startup_s": time.perf_counter() - t0, "runs": {}}
+    rec = {"startup_s": time.perf_counter() - t0, "k": k, "runs": {}}
     warm = [int(t) for t in range(1000, 1032)]  # one untimed request outside the suites: the engine warms up
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     for suite, prompts in suites.items():
@@ -136,7 +149,7 @@ def run_method(model: str, method: str, k: int, suites: dict, batch: int, max_ne
         r = rec["runs"][f"{suite}/{batch}"] = run_batch(llm, prompts, batch, max_new_tokens)
         r["load_average"] = [load, os.getloadavg()[0]]
         r.update(drafter_times(drafter, read_json(report)))
-        print(f"  {method:7s} {suite:9s} batch {batch:2d}: {r['tokens_per_s']:7.1f} tokens/s, "
+        print(f"  {spec:7s} {suite:9s} batch {batch:2d}: {r['tokens_per_s']:7.1f} tokens/s, "
               f"{r['tokens_per_step']:.2f} tokens/step", flush=True)
     llm.llm_engine.engine_core.shutdown()
     report.unlink(missing_ok=True)
@@ -178,7 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", nargs="+", default=["humaneval", "chat"], choices=("humaneval", "chat"))
     ap.add_argument("--limit", type=int, default=16)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="METHOD[@K]",
+                    help=f"{', '.join(METHODS)}; METHOD@K: that method with K drafts at most (e.g. ngram@16)")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of every drafting method")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
@@ -186,6 +200,10 @@ def main(argv=None) -> int:
                     help="more rounds at these batch sizes (e.g. 16=3); the others get --rounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    for spec in args.methods:
+        method_spec(spec)  # a wrong name stops the run before any engine starts
+    if len(set(args.methods)) < len(args.methods):
+        raise SystemExit(f"--methods names a method twice: {' '.join(args.methods)}")
     from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
     from rest_core.model import load_tokenizer, resolve_source
 

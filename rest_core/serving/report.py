@@ -58,7 +58,8 @@ def vllm_markdown(result: dict) -> str:
              f"{m['cores']} cores; commit {m['commit']}; Python {m['python']}; LD_PRELOAD={m['ld_preload'] or '-'}; "
              f"VLLM_CPU_KVCACHE_SPACE={m['kv_cache_gb']} GB.", "",
              f"Command: `{result['command']}`", "",
-             f"Greedy, {s['max_new_tokens']} new tokens, k = {s['k']} drafts at most per request and step, "
+             f"Greedy, {s['max_new_tokens']} new tokens, k = {s['k']} drafts at most per request and step "
+             f"(METHOD@K: K), "
              f"engine {s['engine']}; {len(result['rounds'])} round(s): medians over a cell's rounds, their range in "
              f"brackets; × plain is the ratio to plain vLLM in the same round; ms/step is the wall time per engine "
              f"step, propose()'s own share of it in brackets (REST's drafter reports it).", ""]
