@@ -488,3 +488,34 @@ def test_the_benchmark_gives_propose_s_share_of_each_engine_step():
     text = vllm_markdown(result).splitlines()
     assert "| 52.0 |" in next(line for line in text if line.startswith("| 16 | plain |"))
     assert "| 55.0 (0.71) |" in next(line for line in text if line.startswith("| 16 | rest |"))
+
+
+def test_chain_choice_finds_where_the_chosen_chain_parts_from_the_right_one(tmp_path):
+    """tools/chain_choice.py: the store continues 5 6 mostly with 7 8, once with 9 10; the answer takes 9 10, so
+    the drafter's chain (the likelier 7) matches nothing where the tree's best path matches two."""
+    from conftest import tool
+
+    chain_choice = tool("chain_choice")
+    propose_cost = tool("propose_cost")
+    docs = [[5, 6, 7, 8, 11, 12]] * 3 + [[5, 6, 9, 10, 13, 14]]
+    store = build_from_token_documents(tmp_path / "fork", docs)
+    choosers = {kind: CostModel(times_ms=np.ones(8), kind=kind) for kind in ("text", "chat")}
+    drafter = RestDrafter({"text": [store], "chat": [store]}, choosers, table(50.0, 0.1), max_drafts=4, max_len=512)
+    clock = propose_cost.EngineClock()
+    drafter.clock = clock
+    got = chain_choice.compare(drafter, [([40, 5], [6, 9, 10, 13, 14])], 4, (50.0, 0.1), clock)
+    assert got["lookups"] >= 1
+    first = got["parts"].most_common(1)[0][0]
+    assert first == ("static", "static", 0) and got["more_support"] >= 1
+    assert got["matched"]["best path"] > got["matched"]["chance"]
+
+
+def test_the_draft_cost_tool_reads_its_cases():
+    from conftest import tool
+
+    draft_cost = tool("vllm_draft_cost")
+    assert draft_cost.parse_case("1x4+3x0") == [4, 0, 0, 0]
+    assert [len(draft_cost.parse_case(c)) for c in draft_cost.default_cases(16)] == [16] * 6
+    for bad in ("4", "x2", "0x1", "1x4+", "ax1"):
+        with pytest.raises(SystemExit, match="REQUESTSxDRAFTS"):
+            draft_cost.parse_case(bad)

@@ -149,10 +149,14 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         if profiler and r == args.rounds - 1:
             profiler.enable()
+        engine_before = clock.engine_s
         calls = replay(drafter, pairs, args.batch, cost, clock)
         if profiler and r == args.rounds - 1:
             profiler.disable()
-        print(summary(calls, sum(len(o) for _, o in pairs), f"round {r + 1}, {args.suite}, batch {args.batch}"))
+        tokens = sum(len(o) for _, o in pairs)
+        print(summary(calls, tokens, f"round {r + 1}, {args.suite}, batch {args.batch}"))
+        spent_s = clock.engine_s - engine_before + sum(c[1] for c in calls) / 1e3
+        print(f"  simulated: {tokens / spent_s:.1f} tokens/s (the simulated engine's steps plus propose()'s time)")
     if profiler:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
     return 0
