@@ -443,7 +443,7 @@ def test_the_drafter_reports_its_counts_and_its_own_time_and_the_engine_s(tmp_pa
         tokens = tokens if n == 0 else tokens + new
         drafter.step(["a"], [new], [len(tokens)], rows(tokens, width=256))
         clock.pass_ms(40.0)  # the engine's step between two calls
-    assert len(reports) == 2 and reports[-1]["steps"] == 2 * REPORT_EVERY
+    assert [r["steps"] for r in reports] == [1, REPORT_EVERY, 2 * REPORT_EVERY]  # the first step's: start-up
     last = reports[-1]
     # a fake clock that does not move inside step(): propose() took no time, the engine 40 ms a step
     assert last["propose_ms"] == 0.0 and last["timed_steps"] == 2 * REPORT_EVERY - 1
@@ -480,7 +480,10 @@ def test_the_benchmark_gives_propose_s_share_of_each_engine_step():
              "engine_ms": 5500.0, "timed_steps": 109}
     got = drafter_times(before, after)
     assert got == {"propose_ms_per_step": pytest.approx(0.7), "propose_ms_per_lookup_step": pytest.approx(1.2),
-                   "lookup_share": pytest.approx(0.5), "engine_ms_per_step": pytest.approx(50.0)}
+                   "lookup_share": pytest.approx(0.5), "engine_ms_per_step": pytest.approx(50.0),
+                   "gc_ms_per_step": 0.0, "gc_full": 0}
+    collected = drafter_times({"steps": 10, "gc_ms": 1.0, "gc_full": 1}, {"steps": 30, "gc_ms": 9.0, "gc_full": 3})
+    assert collected["gc_ms_per_step"] == pytest.approx(0.4) and collected["gc_full"] == 2  # the empty proposer's
     assert drafter_times(None, None) == {} and drafter_times({}, {"steps": 0}) == {}
     result = bench_result({"plain": [100.0], "rest": [105.0]})
     result["rounds"][0]["plain"]["runs"]["chat/16"]["ms_per_engine_step"] = 52.04
@@ -519,3 +522,44 @@ def test_the_draft_cost_tool_reads_its_cases():
     for bad in ("4", "x2", "0x1", "1x4+", "ax1"):
         with pytest.raises(SystemExit, match="REQUESTSxDRAFTS"):
             draft_cost.parse_case(bad)
+
+
+# -- what drafting really brought ------------------------------------------------------------------------------
+def test_realized_rates_switch_drafting_off_where_its_steps_give_fewer_tokens_per_ms_and_try_again_later():
+    from rest_core.serving.live import PROPOSE_STALE, REALIZED_MIN, RealizedRates
+
+    rates = RealizedRates()
+    for _ in range(REALIZED_MIN):
+        rates.observe(16, 0, 16, 100.0)  # plain: 0.16 tokens per ms
+        rates.observe(16, 16, 20, 150.0)  # 16 drafts, 4 accepted: 0.133 tokens per ms
+        assert not rates.losing(16) or rates._step >= 2 * REALIZED_MIN
+    assert rates.losing(16) and not rates.losing(1)  # another batch size has no steps: the plan decides there
+    for _ in range(PROPOSE_STALE):
+        rates.observe(16, 0, 16, 100.0)  # drafting off: plain steps only, until the drafting ones are forgotten
+    assert not rates.losing(16)  # tried again
+    for _ in range(REALIZED_MIN):
+        rates.observe(16, 16, 30, 150.0)  # now 14 of 16 accepted: 0.2 tokens per ms
+    assert not rates.losing(16)
+    rates.observe(16, 0, 0, 100.0)  # a step that gave nothing (cannot be) and one of no time are not counted
+    rates.observe(16, 0, 16, 0.0)
+    assert len(rates._rates[(16, False)]) == 32
+
+
+def test_the_drafter_weighs_each_step_with_the_propose_call_that_prepared_it(tmp_path, monkeypatch):
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    drafter = cyclic_drafter(tmp_path, table(50.0, 0.1))
+    delay = slow_lookups(drafter, clock, monkeypatch)
+    delay["ms"] = 2.0  # each request's lookup: 2 ms of propose() (4 requests: 8 ms a drafting call)
+    given = serve(drafter, clock, lambda b, d: 50.0 + 0.5 * d, steps=12)
+    drafted = [rate for _, rate in drafter.realized._rates[(4, True)]]
+    # a step that verified g drafts (all accepted, and one more token for each of the 4 requests): 4 + g tokens
+    # in the engine's 50 + 0.5 g ms plus the 8 ms of the propose() call that looked them up
+    assert drafted == pytest.approx([(4 + g) / (58.0 + 0.5 * g) for g in given[:-1] if g])
+    assert drafted and all(r > 4 / 50.0 for r in drafted)
+    monkeypatch.setattr(drafter.realized, "losing", lambda batch: True)
+    calls = []
+    monkeypatch.setattr(drafter, "_chain", lambda *a: calls.append(a))
+    assert serve(drafter, clock, lambda b, d: 50.0, steps=3, name="x") == [0, 0, 0] and calls == []

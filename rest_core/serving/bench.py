@@ -115,13 +115,16 @@ def drafter_times(before, after) -> dict:
     that write none)."""
     if not isinstance(after, dict) or not after.get("steps"):
         return {}
+    after = {"drafting_steps": 0, "propose_ms": 0.0, "drafting_propose_ms": 0.0, "engine_ms": 0.0, "timed_steps": 0,
+             "gc_ms": 0.0, "gc_full": 0, **after}  # the empty proposer reports its steps and collections only
     before = before if isinstance(before, dict) else {}
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "drafting_steps", "propose_ms",
-                                                          "drafting_propose_ms", "engine_ms", "timed_steps")}
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "drafting_steps", "propose_ms", "gc_ms",
+                                                          "gc_full", "drafting_propose_ms", "engine_ms", "timed_steps")}
     return {"propose_ms_per_step": d["propose_ms"] / max(d["steps"], 1),
             "propose_ms_per_lookup_step": d["drafting_propose_ms"] / max(d["drafting_steps"], 1),
             "lookup_share": d["drafting_steps"] / max(d["steps"], 1),
-            "engine_ms_per_step": d["engine_ms"] / max(d["timed_steps"], 1)}
+            "engine_ms_per_step": d["engine_ms"] / max(d["timed_steps"], 1),
+            "gc_ms_per_step": d["gc_ms"] / max(d["steps"], 1), "gc_full": d["gc_full"]}
 
 
 def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_tokens: int) -> dict:

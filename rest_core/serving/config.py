@@ -8,8 +8,9 @@
     REST_LAB_HISTORY      tokens of served outputs kept as a draft source (default 200000; 0: none)
     REST_LAB_STEP_COST    a step-cost file (default: the one `rest-lab calibrate-vllm` measured for this model,
                           engine and machine)
-    REST_LAB_PROPOSE_LOG  a JSON file the drafter rewrites every 16 steps with its counts and times (steps,
-                          drafts given and accepted, propose()'s own milliseconds, the engine's between two calls)
+    REST_LAB_PROPOSE_LOG  a JSON file the drafter rewrites at its first step and every 16 steps with its counts
+                          and times (steps, drafts given and accepted, propose()'s own milliseconds, the engine's
+                          between two calls, the garbage collector's passes in the worker and their milliseconds)
 
 A store that is missing, corrupt or built with another tokenizer stops the server at start-up with the reason and
 the fix; the drafter never runs silently empty.
@@ -119,8 +120,29 @@ def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engi
                           chat_markers=chat_markers(tokenizer), history=history)
     drafter.report = report
     if report is not None:
+        time_collections(drafter.stats)
         report(dict(drafter.stats))
     return drafter
+
+
+def time_collections(stats: dict) -> None:
+    """Count the Python garbage collector's passes in this process and their milliseconds into `stats`
+    (gc_count, gc_ms): they stop the engine wherever they fall, inside propose() or not."""
+    import gc
+    import time
+
+    stats.update(gc_count=0, gc_ms=0.0, gc_full=0)
+    began = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+            return
+        stats["gc_count"] += 1
+        stats["gc_full"] += int(info.get("generation") == 2)
+        stats["gc_ms"] += (time.perf_counter() - began[0]) * 1e3
+
+    gc.callbacks.append(timed)
 
 
 def propose_log() -> Optional[Callable[[dict], None]]:

@@ -11,7 +11,9 @@ verified next.  It uses the decoder's own parts, not copies of them:
     chain                           an engine that verifies chains takes the tree's best path (the likeliest
                                     child at every depth)
     plan     (serving.load)         how many tokens of each chain the batch can afford, from the step cost and
-                                    propose()'s own time, both measured live (serving.live)
+                                    propose()'s own time, both measured live (serving.live); none at a batch
+                                    size where the steps that verified drafts gave fewer tokens per ms than
+                                    those that did not (serving.live.RealizedRates)
 
 A request's state lives exactly while the request is in the running batch: a request that finishes, is preempted
 or is left out of a step is forgotten (its output joins the history once), and one that comes back is rebuilt
@@ -30,7 +32,7 @@ import numpy as np
 from datastores import HistoryStore, RequestStore, Store
 from rest_core.cost import CostModel
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
-from rest_core.serving.live import LiveStepCost, ProposeTime, RecentChains
+from rest_core.serving.live import LiveStepCost, ProposeTime, RealizedRates, RecentChains
 from rest_core.serving.load import AcceptanceProfile, ChanceCalibration, StepCost, plan_drafts, worth_drafting
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
 
@@ -104,7 +106,9 @@ class RestDrafter:
         self.profile = AcceptanceProfile(depth=max(1, max_drafts))
         self.calibration = {kind: ChanceCalibration(depth=max(1, max_drafts)) for kind in choosers}
         self.recent = RecentChains()  # what the newest lookups found
-        self._last: Optional[tuple[float, dict[str, int]]] = None  # when step() last returned, the drafts it gave
+        self.realized = RealizedRates()  # what drafting really brought, per batch size
+        # when step() last returned, the drafts it gave, and its own time (ms)
+        self._last: Optional[tuple[float, dict[str, int], float]] = None
         # drafted / accepted: drafts verified and kept; expected: the plan's chances of those drafts, summed
         self.stats = {"steps": 0, "drafting_steps": 0, "drafted": 0, "accepted": 0, "expected": 0.0,
                       # propose()'s own time, in all and in the steps that looked up; the engine's time between
@@ -184,9 +188,11 @@ class RestDrafter:
         self.propose_time.add(drafting, len(req_ids), (end - start) * 1e3)
         self.stats["propose_ms"] += (end - start) * 1e3
         self.stats["drafting_propose_ms"] += (end - start) * 1e3 if drafting else 0.0
-        if self.report is not None and self.stats["steps"] % REPORT_EVERY == 0:
+        if self.report is not None and (self.stats["steps"] % REPORT_EVERY == 0 or self.stats["steps"] == 1):
+            # the first step's report holds what start-up did (the engine's collections as it loaded the model)
             self.report(dict(self.stats))
-        self._last = (end, {rid: len(out[i]) for i, rid in enumerate(req_ids) if len(sampled[i])})
+        self._last = (end, {rid: len(out[i]) for i, rid in enumerate(req_ids) if len(sampled[i])},
+                      (end - start) * 1e3)
         return out
 
     def _time_engine(self, now: float, req_ids: Sequence[str], sampled: Sequence[Sequence[int]]) -> None:
@@ -195,9 +201,11 @@ class RestDrafter:
         ran over len(req_ids) requests with the drafts they were given then."""
         if self._last is None:
             return
-        end, given = self._last
+        end, given, propose_ms = self._last
         if all(len(s) for s in sampled) and all(rid in given for rid in req_ids):
-            self.cost.observe(len(req_ids), sum(given[rid] for rid in req_ids), (now - end) * 1e3)
+            drafts = sum(given[rid] for rid in req_ids)
+            self.cost.observe(len(req_ids), drafts, (now - end) * 1e3)
+            self.realized.observe(len(req_ids), drafts, sum(map(len, sampled)), (now - end) * 1e3 + propose_ms)
             self.stats["engine_ms"] += (now - end) * 1e3
             self.stats["timed_steps"] += 1
 
@@ -215,7 +223,8 @@ class RestDrafter:
         base_ms = self.propose_time.plain_ms(batch)
         self.recent.tick()
         recent = self.recent.chains(prior=self.profile.chain(self.max_drafts))
-        if not rows or not worth_drafting(recent, self.cost, batch, self.propose_time.drafting_ms(batch), base_ms):
+        if not rows or self.realized.losing(batch) \
+                or not worth_drafting(recent, self.cost, batch, self.propose_time.drafting_ms(batch), base_ms):
             return out, False
         self.stats["drafting_steps"] += 1
         chains, raw, chances = [], [], []

@@ -44,6 +44,8 @@ FLOOR = 1e-3  # per draft, in plain steps: a calibrated shape that is flat along
 MAX_SCALE = 1000.0  # the fitted factor on the calibrated shape stays within [0, MAX_SCALE]
 PROPOSE_STEPS = 16  # propose()'s time per request: the median of this many newest steps (drafting / not) ...
 PROPOSE_STALE = 64  # ... drafting's forgotten this many steps after the last drafting step (it is tried again)
+REALIZED_STEPS = 32  # what drafting really brought: the newest this many steps with drafts and without, per batch
+REALIZED_MIN = 8  # ... and at least this many of each before they may switch drafting off
 RECENT_CHAINS = 64  # the newest looked-up requests' chains: whether drafting would pay, asked before any lookup ...
 MIN_CHAINS = 8  # ... the hopeful prior standing in for the missing ones while fewer are known
 
@@ -187,3 +189,36 @@ class RecentChains:
     def chains(self, prior: list[float]) -> list[list[float]]:
         known = [c for _, c in self._chains]
         return known + [prior] * max(0, MIN_CHAINS - len(known))
+
+
+class RealizedRates:
+    """What drafting really brought at each batch size: the tokens per millisecond of the steps that verified
+    drafts and of the steps that did not (the engine's time plus the propose() call that prepared the step),
+    the newest REALIZED_STEPS of each.  The plan drafts by chances and a step cost; where, at some batch size,
+    the drafting steps' median rate is below the plain steps' all the same, drafting is a loss there however
+    it was planned, and `losing` says so: the drafter then looks nothing up at that batch size.  Drafting steps
+    older than PROPOSE_STALE steps are forgotten, so drafting is tried again (REALIZED_MIN new ones are needed
+    before it can be switched off again), and a batch size that sees too few steps of either kind is left to
+    the plan."""
+
+    def __init__(self):
+        self._rates: dict[tuple[int, bool], deque] = {}  # (batch, drafted) -> (step, tokens per ms)
+        self._step = 0
+
+    def observe(self, batch: int, drafts: int, tokens: int, ms: float) -> None:
+        """One step over `batch` requests that verified `drafts` drafts in all, gave `tokens` and took `ms`."""
+        if batch < 1 or tokens < 1 or not ms > 0:
+            return
+        self._step += 1
+        key = (batch, drafts > 0)
+        self._rates.setdefault(key, deque(maxlen=REALIZED_STEPS)).append((self._step, tokens / ms))
+
+    def losing(self, batch: int) -> bool:
+        """Whether the newest steps at this batch size that verified drafts gave fewer tokens per ms (median)
+        than those that did not."""
+        drafting, plain = self._rates.get((batch, True)), self._rates.get((batch, False))
+        while drafting and drafting[0][0] <= self._step - PROPOSE_STALE:
+            drafting.popleft()
+        if not drafting or not plain or len(drafting) < REALIZED_MIN or len(plain) < REALIZED_MIN:
+            return False
+        return statistics.median(r for _, r in drafting) < statistics.median(r for _, r in plain)
