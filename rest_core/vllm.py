@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from rest_core.serving.config import open_drafter
-from rest_core.serving.drafter import REPORT_EVERY
 from rest_core.serving.engine import calling_runner, engine_key, running_request_ids
 
 __all__ = ["NoDraftProposer", "RestProposer"]
@@ -53,18 +52,18 @@ class NoDraftProposer:
     that finds drafting would not pay), measured by the benchmark's `empty` method."""
 
     def __init__(self, vllm_config: Any):
-        from rest_core.serving.config import propose_log, time_collections
+        from rest_core.serving.config import propose_log
 
         self.report = propose_log()  # with REST_LAB_PROPOSE_LOG: its steps and the collector's time, as REST's
         self.stats = {"steps": 0}
         if self.report is not None:
-            time_collections(self.stats)
+            self.report.watch(self.stats)
 
     def load_model(self, *args, **kwargs) -> None:
         pass
 
     def propose(self, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any) -> list[list[int]]:
         self.stats["steps"] += 1
-        if self.report is not None and (self.stats["steps"] % REPORT_EVERY == 0 or self.stats["steps"] == 1):
-            self.report(dict(self.stats))
+        if self.report is not None:
+            self.report.tick(self.stats)
         return [[] for _ in sampled_token_ids]

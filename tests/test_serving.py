@@ -430,13 +430,14 @@ def test_propose_cost_replays_outputs_through_the_drafter_and_times_each_call(tm
 
 # -- what the drafter reports of its own time ------------------------------------------------------------------
 def test_the_drafter_reports_its_counts_and_its_own_time_and_the_engine_s(tmp_path):
-    from rest_core.serving.drafter import REPORT_EVERY
+    from rest_core.serving.config import REPORT_EVERY, ProposeLog
 
     clock = FakeTime()
     drafter = make_drafter(tmp_path)
     drafter.clock = clock.perf_counter
     reports = []
-    drafter.report = reports.append
+    drafter.report = ProposeLog(tmp_path / "unused.json")
+    drafter.report.write = reports.append  # the reports as written
     tokens = [3, 4, 5, 6]
     for n in range(2 * REPORT_EVERY):
         new = [tokens[-1]] if n == 0 else [5]  # every chain rejected at its first draft: one token a step
@@ -464,7 +465,7 @@ def test_an_unwritable_propose_log_stops_the_drafter_at_start_up(tmp_path, monke
     good = tmp_path / "logs" / "report.json"
     monkeypatch.setenv("REST_LAB_PROPOSE_LOG", str(good))
     report = config.propose_log()
-    report({"steps": 3, "propose_ms": 1.5})
+    report.write({"steps": 3, "propose_ms": 1.5})
     assert json.loads(good.read_text()) == {"steps": 3, "propose_ms": 1.5}
     monkeypatch.delenv("REST_LAB_PROPOSE_LOG")
     assert config.propose_log() is None
@@ -519,6 +520,8 @@ def test_the_draft_cost_tool_reads_its_cases():
     draft_cost = tool("vllm_draft_cost")
     assert draft_cost.parse_case("1x4+3x0") == [4, 0, 0, 0]
     assert [len(draft_cost.parse_case(c)) for c in draft_cost.default_cases(16)] == [16] * 6
+    for batch in (1, 2, 4):  # small batches too: every default case reads back as that many requests
+        assert all(len(draft_cost.parse_case(c)) == batch for c in draft_cost.default_cases(batch))
     for bad in ("4", "x2", "0x1", "1x4+", "ax1"):
         with pytest.raises(SystemExit, match="REQUESTSxDRAFTS"):
             draft_cost.parse_case(bad)
@@ -530,9 +533,9 @@ def test_realized_rates_switch_drafting_off_where_its_steps_give_fewer_tokens_pe
 
     rates = RealizedRates()
     for _ in range(REALIZED_MIN):
+        assert not rates.losing(16)  # too few steps of each kind yet: the plan decides
         rates.observe(16, 0, 16, 100.0)  # plain: 0.16 tokens per ms
         rates.observe(16, 16, 20, 150.0)  # 16 drafts, 4 accepted: 0.133 tokens per ms
-        assert not rates.losing(16) or rates._step >= 2 * REALIZED_MIN
     assert rates.losing(16) and not rates.losing(1)  # another batch size has no steps: the plan decides there
     for _ in range(PROPOSE_STALE):
         rates.observe(16, 0, 16, 100.0)  # drafting off: plain steps only, until the drafting ones are forgotten

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 PROMPTS = 8
 MAX_TOKENS = 48
@@ -39,7 +40,7 @@ def main(model: str, path: str) -> None:
         if method == "rest":
             result["accepted"] = counters(llm)["vllm:spec_decode_num_accepted_tokens"]
             report = os.environ.get("REST_LAB_PROPOSE_LOG")
-            result["report"] = json.loads(open(report).read()) if report else None
+            result["report"] = json.loads(Path(report).read_text()) if report else None
         llm.llm_engine.engine_core.shutdown()
         del llm
     with open(path, "w") as f:

@@ -42,10 +42,23 @@ def parse_case(text: str) -> list[int]:
     return out
 
 
+def case_name(counts: list[int]) -> str:
+    """[4, 0, 0, 0] -> `1x4+3x0`: runs of equal draft counts, as parse_case reads them."""
+    runs: list[list[int]] = []
+    for k in counts:
+        if runs and runs[-1][1] == k:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, k])
+    return "+".join(f"{n}x{k}" for n, k in runs)
+
+
 def default_cases(batch: int) -> list[str]:
-    rest = batch - 1
-    return [f"{batch}x0", f"1x1+{rest}x0", f"1x4+{rest}x0", f"{min(4, batch)}x1+{max(0, batch - 4)}x0",
-            f"{batch}x1", f"{batch}x2"]
+    """No drafts; one request with 1 and with 4; four requests (at most) with 1; every request with 1 and 2."""
+    few = min(4, batch)
+    cases = [[0] * batch, [1] + [0] * (batch - 1), [4] + [0] * (batch - 1), [1] * few + [0] * (batch - few),
+             [1] * batch, [2] * batch]
+    return list(dict.fromkeys(case_name(c) for c in cases))
 
 
 def main(argv=None) -> int:

@@ -111,12 +111,10 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int) -> dict:
 
 def drafter_times(before, after) -> dict:
     """propose()'s own milliseconds per engine step (in all, and in the steps that looked up) and the engine's
-    between two calls, from the REST drafter's reports at the start and end of a run (nothing for the methods
-    that write none)."""
+    between two calls, and the collector's, from a proposer's reports at the start and end of a run (the empty
+    proposer reports its steps and collections only; nothing for the methods that write none)."""
     if not isinstance(after, dict) or not after.get("steps"):
         return {}
-    after = {"drafting_steps": 0, "propose_ms": 0.0, "drafting_propose_ms": 0.0, "engine_ms": 0.0, "timed_steps": 0,
-             "gc_ms": 0.0, "gc_full": 0, **after}  # the empty proposer reports its steps and collections only
     before = before if isinstance(before, dict) else {}
     d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "drafting_steps", "propose_ms", "gc_ms",
                                                           "gc_full", "drafting_propose_ms", "engine_ms", "timed_steps")}

@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -118,36 +116,61 @@ def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engi
              [s.label for s in chat], history_tokens, tokenizer_fingerprint(tokenizer)[:12], engine_key)
     drafter = RestDrafter({"text": text, "chat": chat}, choosers, cost, max_drafts=max_drafts, max_len=max_len,
                           chat_markers=chat_markers(tokenizer), history=history)
-    drafter.report = report
     if report is not None:
-        time_collections(drafter.stats)
-        report(dict(drafter.stats))
+        report.watch(drafter.stats)
+    drafter.report = report
     return drafter
 
 
-def time_collections(stats: dict) -> None:
-    """Count the Python garbage collector's passes in this process and their milliseconds into `stats`
-    (gc_count, gc_ms): they stop the engine wherever they fall, inside propose() or not."""
-    import gc
-    import time
-
-    stats.update(gc_count=0, gc_ms=0.0, gc_full=0)
-    began = [0.0]
-
-    def timed(phase: str, info: dict) -> None:
-        if phase == "start":
-            began[0] = time.perf_counter()
-            return
-        stats["gc_count"] += 1
-        stats["gc_full"] += int(info.get("generation") == 2)
-        stats["gc_ms"] += (time.perf_counter() - began[0]) * 1e3
-
-    gc.callbacks.append(timed)
+REPORT_EVERY = 16  # steps between two reports of a proposer's counts and times (after the first step's)
 
 
-def propose_log() -> Optional[Callable[[dict], None]]:
-    """Where the drafter reports its counts and times (REST_LAB_PROPOSE_LOG), tried once at start-up: a file
-    that cannot be written stops the server with the reason, before any store is opened."""
+class ProposeLog:
+    """Where a proposer reports its counts and times (REST_LAB_PROPOSE_LOG): the file is rewritten at the first
+    step, so that one report holds what start-up did (the engine's collections as it loaded the model), and every
+    REPORT_EVERY steps after.  A report that cannot be written is said in the log once; serving goes on."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._warned = False
+
+    def watch(self, stats: dict) -> None:
+        """Count the Python garbage collector's passes in this process and their milliseconds into `stats`
+        (gc_count, gc_full, gc_ms): they stop the engine wherever they fall, inside propose() or not."""
+        import gc
+        import time
+
+        stats.update(gc_count=0, gc_ms=0.0, gc_full=0)
+        began = [0.0]
+
+        def timed(phase: str, info: dict) -> None:
+            if phase == "start":
+                began[0] = time.perf_counter()
+                return
+            stats["gc_count"] += 1
+            stats["gc_full"] += int(info.get("generation") == 2)
+            stats["gc_ms"] += (time.perf_counter() - began[0]) * 1e3
+
+        gc.callbacks.append(timed)
+
+    def tick(self, stats: dict) -> None:
+        """One more step counted in stats["steps"]: a copy of `stats` is written when a report is due."""
+        if stats["steps"] == 1 or stats["steps"] % REPORT_EVERY == 0:
+            self.write(dict(stats))
+
+    def write(self, stats: dict) -> None:
+        try:
+            write_atomic(self.path, json.dumps(stats).encode())
+        except OSError as err:
+            if not self._warned:
+                self._warned = True
+                log.warning("REST Lab: REST_LAB_PROPOSE_LOG=%s cannot be written (%s); serving goes on", self.path,
+                            err)
+
+
+def propose_log() -> Optional[ProposeLog]:
+    """The report REST_LAB_PROPOSE_LOG asks for, its file tried once at start-up: a file that cannot be written
+    stops the server with the reason, before any store is opened."""
     if not os.environ.get("REST_LAB_PROPOSE_LOG"):
         return None
     path = Path(os.environ["REST_LAB_PROPOSE_LOG"]).expanduser()
@@ -156,18 +179,4 @@ def propose_log() -> Optional[Callable[[dict], None]]:
     except OSError as err:
         raise DatastoreError(f"REST_LAB_PROPOSE_LOG={path} cannot be written ({err}); name a file in a folder "
                              "that can be written, or unset it") from None
-    return partial(write_report, path)
-
-
-def write_report(path: Path, stats: dict) -> None:
-    """The drafter's counts and times so far, replacing the file's last report (a report that cannot be written
-    is said in the log once and not tried again: serving goes on)."""
-    try:
-        write_atomic(path, json.dumps(stats).encode())
-    except OSError as err:
-        if path not in _UNWRITABLE:
-            _UNWRITABLE.add(path)
-            log.warning("REST Lab: REST_LAB_PROPOSE_LOG=%s cannot be written (%s); no more reports", path, err)
-
-
-_UNWRITABLE: set = set()
+    return ProposeLog(path)

@@ -40,7 +40,6 @@ TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best 
 SAVE_EVERY = 32  # ended requests between two saves of the learned acceptance counts
 ENDED_KEPT = 4096  # ids of recently ended requests remembered, so a preempted one's output joins the history once
 LEARNED = 64  # drafts a source must have had tested before the cost model's chances alone value its chains
-REPORT_EVERY = 16  # steps between two reports of the drafter's counts and times (where one is asked for)
 
 
 @dataclass
@@ -114,7 +113,7 @@ class RestDrafter:
                       # propose()'s own time, in all and in the steps that looked up; the engine's time between
                       # two calls, over the steps where every request only decoded (timed_steps of them)
                       "propose_ms": 0.0, "drafting_propose_ms": 0.0, "engine_ms": 0.0, "timed_steps": 0}
-        self.report: Optional[Callable[[dict], None]] = None  # given the stats every REPORT_EVERY steps
+        self.report = None  # a serving.config.ProposeLog, where one is asked for: told of every step's stats
 
     # -- the requests ------------------------------------------------------------------------------------------
     def _forget_absent(self, running: set) -> None:
@@ -185,14 +184,13 @@ class RestDrafter:
         self._time_engine(start, req_ids, sampled)
         out, drafting = self._draft(req_ids, sampled, lengths, tokens)
         end = self.clock()
-        self.propose_time.add(drafting, len(req_ids), (end - start) * 1e3)
-        self.stats["propose_ms"] += (end - start) * 1e3
-        self.stats["drafting_propose_ms"] += (end - start) * 1e3 if drafting else 0.0
-        if self.report is not None and (self.stats["steps"] % REPORT_EVERY == 0 or self.stats["steps"] == 1):
-            # the first step's report holds what start-up did (the engine's collections as it loaded the model)
-            self.report(dict(self.stats))
-        self._last = (end, {rid: len(out[i]) for i, rid in enumerate(req_ids) if len(sampled[i])},
-                      (end - start) * 1e3)
+        ms = (end - start) * 1e3
+        self.propose_time.add(drafting, len(req_ids), ms)
+        self.stats["propose_ms"] += ms
+        self.stats["drafting_propose_ms"] += ms if drafting else 0.0
+        if self.report is not None:
+            self.report.tick(self.stats)
+        self._last = (end, {rid: len(out[i]) for i, rid in enumerate(req_ids) if len(sampled[i])}, ms)
         return out
 
     def _time_engine(self, now: float, req_ids: Sequence[str], sampled: Sequence[Sequence[int]]) -> None:
