@@ -389,6 +389,22 @@ def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():
             rounds_per_batch([1, 4, 16], 1, [bad])
 
 
+def test_a_limit_past_the_benchmark_chat_prompts_keeps_them_first_then_the_suite_s_others():
+    from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, chat_prompts
+    from rest_core.model import load_tokenizer
+    from rest_core.serving.bench import suite_prompts
+
+    tokenizer = load_tokenizer(None)
+    ids = [p.id for p in suite_prompts("chat", tokenizer, 20)]
+    assert set(ids[:16]) == set(BENCHMARK_CHAT_PROMPTS) and len(set(ids)) == 20
+    assert ids[16:] == [pid for pid, _, _ in chat_prompts() if pid not in BENCHMARK_CHAT_PROMPTS][:4]
+    assert [p.id for p in suite_prompts("chat", tokenizer, 16)] == ids[:16]  # the default: as before
+    assert [p.id for p in suite_prompts("humaneval", tokenizer, 3)] == [f"HumanEval/{i}" for i in range(3)]
+    for bad in (0, len(chat_prompts()) + 1):
+        with pytest.raises(SystemExit, match=f"the chat suite has {len(chat_prompts())} prompts"):
+            suite_prompts("chat", tokenizer, bad)
+
+
 def test_a_method_may_carry_its_own_draft_length_and_a_wrong_one_is_refused():
     from rest_core.serving.bench import main, method_spec, speculative_config
 

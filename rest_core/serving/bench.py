@@ -14,8 +14,9 @@ request is replaced at once, as a server's load would be).  Measured: aggregate 
 request's latency (submission to last token; p50 / p95), mean tokens per step per request (the new tokens over
 the request-steps, from vLLM's own drafting counters), and whether every output equals plain vLLM's, token for
 token.  The order of methods alternates between rounds; `--rounds-at 16=3` gives one batch size more rounds than
-the others (a batch-16 cell is one wave of about 13 s, as noisy as that), and the report gives every cell's median
-over its rounds with their range.
+the others, and the report gives every cell's median over its rounds with their range.  With the default 16
+prompts a batch-16 cell is one wave of about 13 s: nothing replaces a finished request, so it ends with its slowest
+one; `--limit 40` keeps 16 requests in flight for most of the run (sustained load; docs/bench/vllm-zen4-load.md).
 """
 from __future__ import annotations
 
@@ -174,6 +175,21 @@ def machine() -> dict:
             "kv_cache_gb": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
 
 
+def suite_prompts(suite: str, tokenizer, limit: int) -> list:
+    """The first `limit` prompts of a suite; the chat suite's start with the benchmark's chat prompts, its other
+    prompts after them in the suite's order."""
+    from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
+
+    if suite != "chat":
+        prompts = load_suite(suite, tokenizer)
+    else:
+        chosen = load_suite(suite, tokenizer, pick=list(BENCHMARK_CHAT_PROMPTS))
+        prompts = chosen + [p for p in load_suite(suite, tokenizer) if p.id not in {c.id for c in chosen}]
+    if not 1 <= limit <= len(prompts):
+        raise SystemExit(f"--limit {limit}: the {suite} suite has {len(prompts)} prompts; choose 1 to {len(prompts)}")
+    return prompts[:limit]
+
+
 def rounds_per_batch(batches: list[int], rounds: int, rounds_at: list[str]) -> dict[int, int]:
     """Rounds per batch size: `rounds`, or what a BATCH=N of `rounds_at` says for that batch size."""
     out = {b: rounds for b in batches}
@@ -190,7 +206,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rest_core bench --engine vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="served model folder or hub id (default: REST Lab's default model)")
     ap.add_argument("--suite", nargs="+", default=["humaneval", "chat"], choices=("humaneval", "chat"))
-    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--limit", type=int, default=16,
+                    help="prompts per suite (the chat suite's are the benchmark's 16 chat prompts; beyond them its "
+                         "other prompts follow, up to 42): at batch 16 the default is one wave, which drains as "
+                         "requests finish; a larger limit keeps the batch full (sustained load)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), metavar="METHOD[@K]",
                     help=f"{', '.join(METHODS)}; METHOD@K: that method with K drafts at most (e.g. ngram@16)")
@@ -205,13 +224,11 @@ def main(argv=None) -> int:
         method_spec(spec)  # a wrong name stops the run before any engine starts
     if len(set(args.methods)) < len(args.methods):
         raise SystemExit(f"--methods names a method twice: {' '.join(args.methods)}")
-    from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
     from rest_core.model import load_tokenizer, resolve_source
 
     _, model = resolve_source(args.model)
     tokenizer = load_tokenizer(args.model)
-    suites = {s: load_suite(s, tokenizer, args.limit, list(BENCHMARK_CHAT_PROMPTS) if s == "chat" else None)
-              for s in args.suite}
+    suites = {s: suite_prompts(s, tokenizer, args.limit) for s in args.suite}
     out = Path(args.out or Path("bench_out") / f"vllm-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": "python -m rest_core bench --engine vllm " + " ".join(argv or sys.argv[1:]),
