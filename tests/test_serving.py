@@ -389,6 +389,7 @@ def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():
             rounds_per_batch([1, 4, 16], 1, [bad])
 
 
+@pytest.mark.model
 def test_a_limit_past_the_benchmark_chat_prompts_keeps_them_first_then_the_suite_s_others():
     from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, chat_prompts
     from rest_core.model import load_tokenizer
