@@ -180,11 +180,10 @@ def suite_prompts(suite: str, tokenizer, limit: int) -> list:
     prompts after them in the suite's order."""
     from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
 
-    if suite != "chat":
-        prompts = load_suite(suite, tokenizer)
-    else:
-        chosen = load_suite(suite, tokenizer, pick=list(BENCHMARK_CHAT_PROMPTS))
-        prompts = chosen + [p for p in load_suite(suite, tokenizer) if p.id not in {c.id for c in chosen}]
+    prompts = load_suite(suite, tokenizer)
+    if suite == "chat":
+        first = set(BENCHMARK_CHAT_PROMPTS)
+        prompts = [p for p in prompts if p.id in first] + [p for p in prompts if p.id not in first]
     if not 1 <= limit <= len(prompts):
         raise SystemExit(f"--limit {limit}: the {suite} suite has {len(prompts)} prompts; choose 1 to {len(prompts)}")
     return prompts[:limit]
