@@ -562,7 +562,25 @@ def test_realized_rates_switch_drafting_off_where_its_steps_give_fewer_tokens_pe
     assert not rates.losing(16)
     rates.observe(16, 0, 0, 100.0)  # a step that gave nothing (cannot be) and one of no time are not counted
     rates.observe(16, 0, 16, 0.0)
-    assert len(rates._rates[(16, False)]) == 32
+    assert len(rates._steps[(16, False)]) == 32
+
+
+def test_realized_rates_weigh_the_steps_together_not_the_median_step():
+    from rest_core.serving.live import REALIZED_MIN, RealizedRates
+
+    rates = RealizedRates()
+    for i in range(2 * REALIZED_MIN):
+        rates.observe(1, 0, 1, 50.0)  # plain: 0.02 tokens per ms
+        # batch 1, 8 drafts a step: five steps in eight keep none (1 token in 60 ms, below plain's rate), three
+        # keep all eight (9 tokens): the median step loses, the steps together give 32 tokens in 480 ms
+        rates.observe(1, 8, 9 if i % 8 < 3 else 1, 60.0)
+    assert rates.rate(1, True) == pytest.approx(32 / 480) and not rates.losing(1)
+    for _ in range(3):
+        rates.observe(1, 0, 1, 5000.0)  # a few plain steps stalled by another program: counted at 3x the median
+    assert rates.rate(1, False) == pytest.approx(19 / (16 * 50.0 + 3 * 150.0))
+    for _ in range(32):
+        rates.observe(1, 8, 1, 80.0)  # drafts that keep nothing: a loss
+    assert rates.losing(1)
 
 
 def test_the_drafter_weighs_each_step_with_the_propose_call_that_prepared_it(tmp_path, monkeypatch):
@@ -574,7 +592,7 @@ def test_the_drafter_weighs_each_step_with_the_propose_call_that_prepared_it(tmp
     delay = slow_lookups(drafter, clock, monkeypatch)
     delay["ms"] = 2.0  # each request's lookup: 2 ms of propose() (4 requests: 8 ms a drafting call)
     given = serve(drafter, clock, lambda b, d: 50.0 + 0.5 * d, steps=12)
-    drafted = [rate for _, rate in drafter.realized._rates[(4, True)]]
+    drafted = [tokens / ms for _, tokens, ms in drafter.realized._steps[(4, True)]]
     # a step that verified g drafts (all accepted, and one more token for each of the 4 requests): 4 + g tokens
     # in the engine's 50 + 0.5 g ms plus the 8 ms of the propose() call that looked them up
     assert drafted == pytest.approx([(4 + g) / (58.0 + 0.5 * g) for g in given[:-1] if g])

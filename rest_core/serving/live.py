@@ -46,6 +46,7 @@ PROPOSE_STEPS = 16  # propose()'s time per request: the median of this many newe
 PROPOSE_STALE = 64  # ... drafting's forgotten this many steps after the last drafting step (it is tried again)
 REALIZED_STEPS = 32  # what drafting really brought: the newest this many steps with drafts and without, per batch
 REALIZED_MIN = 8  # ... and at least this many of each before they may switch drafting off
+STALL_CAP = 3.0  # ... each step's time counted at most this many times its kind's median
 RECENT_CHAINS = 64  # the newest looked-up requests' chains: whether drafting would pay, asked before any lookup ...
 MIN_CHAINS = 8  # ... the hopeful prior standing in for the missing ones while fewer are known
 
@@ -194,15 +195,20 @@ class RecentChains:
 class RealizedRates:
     """What drafting really brought at each batch size: the tokens per millisecond of the steps that verified
     drafts and of the steps that did not (the engine's time plus the propose() call that prepared the step),
-    the newest REALIZED_STEPS of each.  The plan drafts by chances and a step cost; where, at some batch size,
-    the drafting steps' median rate is below the plain steps' all the same, drafting is a loss there however
+    over the newest REALIZED_STEPS of each.  The plan drafts by chances and a step cost; where, at some batch size,
+    the drafting steps gave fewer tokens per ms than the plain steps all the same, drafting is a loss there however
     it was planned, and `losing` says so: the drafter then looks nothing up at that batch size.  Drafting steps
     older than PROPOSE_STALE steps are forgotten, so drafting is tried again (REALIZED_MIN new ones are needed
     before it can be switched off again), and a batch size that sees too few steps of either kind is left to
-    the plan."""
+    the plan.
+
+    A kind's rate is its steps' tokens over their time, summed (throughput), not the median of each step's own
+    rate: at batch 1 most drafting steps may keep none of their drafts and a few keep eight, and the median step
+    then reads as a loss while the steps together gave twice the tokens per ms.  Each step's time is capped at
+    STALL_CAP times its kind's median, so one step stalled by another program does not decide."""
 
     def __init__(self):
-        self._rates: dict[tuple[int, bool], deque] = {}  # (batch, drafted) -> (step, tokens per ms)
+        self._steps: dict[tuple[int, bool], deque] = {}  # (batch, drafted) -> (step, tokens, ms)
         self._step = 0
 
     def observe(self, batch: int, drafts: int, tokens: int, ms: float) -> None:
@@ -211,14 +217,22 @@ class RealizedRates:
             return
         self._step += 1
         key = (batch, drafts > 0)
-        self._rates.setdefault(key, deque(maxlen=REALIZED_STEPS)).append((self._step, tokens / ms))
+        self._steps.setdefault(key, deque(maxlen=REALIZED_STEPS)).append((self._step, tokens, ms))
+
+    def rate(self, batch: int, drafted: bool) -> Optional[float]:
+        """Tokens per ms of the newest steps of one kind at this batch size (None before any)."""
+        steps = self._steps.get((batch, drafted))
+        if not steps:
+            return None
+        cap = STALL_CAP * statistics.median(ms for _, _, ms in steps)
+        return sum(t for _, t, _ in steps) / sum(min(ms, cap) for _, _, ms in steps)
 
     def losing(self, batch: int) -> bool:
-        """Whether the newest steps at this batch size that verified drafts gave fewer tokens per ms (median)
-        than those that did not."""
-        drafting, plain = self._rates.get((batch, True)), self._rates.get((batch, False))
+        """Whether the newest steps at this batch size that verified drafts gave fewer tokens per ms than those
+        that did not."""
+        drafting, plain = self._steps.get((batch, True)), self._steps.get((batch, False))
         while drafting and drafting[0][0] <= self._step - PROPOSE_STALE:
             drafting.popleft()
         if not drafting or not plain or len(drafting) < REALIZED_MIN or len(plain) < REALIZED_MIN:
             return False
-        return statistics.median(r for _, r in drafting) < statistics.median(r for _, r in plain)
+        return self.rate(batch, True) < self.rate(batch, False)
