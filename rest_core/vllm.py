@@ -2,7 +2,7 @@
 "num_speculative_tokens": k}`.
 
 Every engine step the proposer drafts, for each running request, the best chain of REST Lab's draft tree over
-the model's stores (rest_core.serving.drafter), as many tokens of it as the step cost says the whole batch can
+the model's stores and the model's own predictions, read from its logits (rest_core.serving.drafter), as many tokens of it as the step cost says the whole batch can
 afford (rest_core.serving.load): none at all when drafting would not pay, counting the proposer's own time.  Stores
 and settings come from environment variables (rest_core.serving.config); the step cost is measured once per machine
 with `rest-lab calibrate-vllm MODEL` and refreshed from every step the engine runs (rest_core.serving.live).
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from rest_core.serving.config import open_drafter
-from rest_core.serving.engine import calling_runner, engine_key, running_request_ids
+from rest_core.serving.engine import calling_runner, engine_key, running_request_ids, watch_logits
 
 __all__ = ["NoDraftProposer", "RestProposer"]
 
@@ -30,13 +30,18 @@ class RestProposer:
         tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
         self.drafter = open_drafter(model.model, tokenizer,
                                     max_drafts=vllm_config.speculative_config.num_speculative_tokens,
-                                    max_len=model.max_model_len, engine_key=engine_key(vllm_config))
+                                    max_len=model.max_model_len, engine_key=engine_key(vllm_config),
+                                    vocab_size=model.get_vocab_size())
         self.drafter.warm_up()
 
-    def load_model(self, *args, **kwargs) -> None:
-        """Nothing to load (REST drafts without a model); the runner that calls this is the one to read."""
+    def load_model(self, model: Any = None, *args, **kwargs) -> None:
+        """Nothing to load (REST drafts without a model of its own); the runner that calls this is the one to read,
+        and the served model's logits teach the drafter the model's own predictions."""
         if self.runner is None:
             self.runner = calling_runner()
+        table = self.drafter.predictions
+        if table is not None and not watch_logits(model, table.successors_k, self.drafter.predicted):
+            self.drafter.predictions = None  # nothing would teach it
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                 slot_mappings: Any = None) -> list[list[int]]:

@@ -156,6 +156,93 @@ def test_request_states_follow_completion_preemption_and_thousands_of_requests(t
     assert drafter.history.n_tokens <= drafter.history.max_tokens
 
 
+def top_rows(*firsts, k=8) -> np.ndarray:
+    """Rows of top-k token ids as logits would give: each row's best token first, then fillers."""
+    return np.array([[f, *range(60, 60 + k - 1)] for f in firsts], dtype=np.int64)
+
+
+def test_the_drafter_learns_the_model_s_predictions_from_every_row_of_the_step_s_logits(tmp_path):
+    from datastores import RecycleStore
+
+    drafter = make_drafter(tmp_path)
+    drafter.predictions = RecycleStore(64)
+    # step 1: "a" has read its prompt 3 4 5 (one row of logits, after 5: the model said 6); "b" still reads its own
+    drafter.predicted(top_rows(6, 50))
+    assert drafter.step(["a", "b"], [[6], []], [4, 3], rows([3, 4, 5, 6], [3, 4, 5])) == [[7, 8, 9, 10], []]
+    table = drafter.predictions
+    assert table.successors(4, 5)[0][0] == 6 and table.known == 1  # b's row taught nothing
+    # step 2 verified a's four drafts: five rows (after 6, 7, 8, 9, 10), whatever was accepted; b read the rest
+    # of its prompt: one row, after 5 (the model said 9 there, which a pair keeps as the newest it saw)
+    drafter.predicted(top_rows(7, 8, 9, 33, 34, 9))
+    drafter.step(["a", "b"], [[7, 8, 33], [9]], [7, 4], rows([3, 4, 5, 6, 7, 8, 33], [3, 4, 5, 9]))
+    assert [int(table.successors(p, t)[0][0]) for p, t in ((5, 6), (6, 7), (7, 8), (8, 9), (9, 10))] == \
+        [7, 8, 9, 33, 34]
+    assert table.successors(4, 5)[0][0] == 9 and drafter.stats["predicted_steps"] == 2
+    # rows that do not add up to the drafts given (the engine verified fewer) teach nothing
+    known = table.known
+    drafter.predicted(top_rows(1, 2))
+    drafter.step(["a", "b"], [[40], [41]], [8, 5], rows([3, 4, 5, 6, 7, 8, 33, 40], [3, 4, 5, 9, 41]))
+    assert table.known == known and drafter.stats["predicted_skipped"] == 1
+
+
+def test_the_model_s_predictions_draft_where_no_store_has_the_text(tmp_path):
+    from datastores import RecycleStore
+
+    drafter = make_drafter(tmp_path, history=False)
+    drafter.predictions = RecycleStore(64)
+    drafter.predictions.observe(np.array([40, 41, 42]), top_rows(41, 42, 43), np.array([39, 40, 41]))
+    got = drafter.step(["a"], [[40]], [3], rows([38, 39, 40]))
+    assert got[0][:3] == [41, 42, 43]
+    assert set(drafter.requests["a"].chain.sources[1:]) == {"model"}
+
+
+def test_the_logits_watch_hands_on_each_call_s_top_tokens_and_returns_the_logits_unchanged():
+    import torch
+
+    from rest_core.serving.engine import watch_logits
+
+    class Model:
+        def compute_logits(self, hidden):
+            return hidden * 2.0
+
+    model, seen = Model(), []
+    assert watch_logits(model, 2, seen.append)
+    hidden = torch.tensor([[0.1, 0.9, 0.5], [0.7, 0.2, 0.3]])
+    assert torch.equal(model.compute_logits(hidden), hidden * 2.0)
+    assert seen[0].tolist() == [[1, 2], [0, 2]]
+    assert model.compute_logits(torch.zeros(0, 3)).shape == (0, 3) and len(seen) == 1  # no rows: nothing handed
+    assert not watch_logits(object(), 2, seen.append)
+
+
+def test_the_served_model_s_predictions_are_set_by_the_environment(tmp_path, monkeypatch):
+    from datastores import DatastoreError, RecycleStore
+    from rest_core.serving.config import _predictions
+
+    import rest_core.serving.config as config
+
+    monkeypatch.setenv("REST_LAB_PREDICTIONS", "session")
+    table = _predictions("m", None, 64)
+    assert table is not None and table.known == 0
+    # 'default' starts from the decoder's table, learning in memory only; one that cannot be read is left as is
+    saved = RecycleStore(64, path=tmp_path / "m.npz")
+    saved.observe(np.array([5]), top_rows(6))
+    saved.save()
+    monkeypatch.setattr(config, "default_recycle_path", lambda name, tokenizer: tmp_path / f"{name}.npz")
+    monkeypatch.setenv("REST_LAB_PREDICTIONS", "default")
+    table = _predictions("m", None, 64)
+    assert table.known == 1 and table.path is None
+    table.observe(np.array([7]), top_rows(8))
+    assert RecycleStore(64, path=tmp_path / "m.npz").known == 1
+    (tmp_path / "bad.npz").write_bytes(b"not a table")
+    assert _predictions("bad", None, 64).known == 0 and (tmp_path / "bad.npz").read_bytes() == b"not a table"
+    assert _predictions("m", None, None) is None  # an engine whose logits cannot be read
+    monkeypatch.setenv("REST_LAB_PREDICTIONS", "none")
+    assert _predictions("m", None, 64) is None
+    monkeypatch.setenv("REST_LAB_PREDICTIONS", "always")
+    with pytest.raises(DatastoreError, match="REST_LAB_PREDICTIONS must be"):
+        _predictions("m", None, 64)
+
+
 def test_a_request_still_reading_its_prompt_gets_no_draft(tmp_path):
     drafter = make_drafter(tmp_path)
     assert drafter.step(["a", "b"], [[], [6]], [4, 4], rows([3, 4, 5, 6], [3, 4, 5, 6])) == [[], [7, 8, 9, 10]]

@@ -36,8 +36,8 @@ from pathlib import Path
 from rest_base.files import read_json
 
 ENGINE = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "disable_log_stats": False}
-METHODS = ("plain", "ngram", "suffix", "rest", "empty")
-DEFAULT_METHODS = METHODS[:4]  # `empty` is a diagnosis, run when asked for
+METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores")
+DEFAULT_METHODS = METHODS[:4]  # `empty` and `rest_stores` (REST without the model's predictions) are diagnoses
 PROPOSE_LOG = Path(tempfile.gettempdir()) / "rest-lab-propose.json"  # one file per run, named after it
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
@@ -60,7 +60,7 @@ def speculative_config(method: str, k: int):
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": k}
-    if method == "rest":
+    if method in ("rest", "rest_stores"):
         return {"method": "custom_class", "model": "rest_core.vllm.RestProposer", "num_speculative_tokens": k}
     if method == "empty":
         return {"method": "custom_class", "model": "rest_core.vllm.NoDraftProposer", "num_speculative_tokens": k}
@@ -138,10 +138,17 @@ def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_
     report = PROPOSE_LOG.with_name(f"{PROPOSE_LOG.stem}-{os.getpid()}-{method}-{k}-{batch}.json")
     report.unlink(missing_ok=True)
     os.environ["REST_LAB_PROPOSE_LOG"] = str(report)  # REST's drafter reports its own time there
+    predictions = os.environ.get("REST_LAB_PREDICTIONS")
+    if method == "rest_stores":  # the engine's processes read the drafter's settings when they start
+        os.environ["REST_LAB_PREDICTIONS"] = "none"
     try:
         llm = LLM(model, speculative_config=speculative_config(method, k), **ENGINE)
     except Exception as err:  # a method that cannot start (suffix without arctic-inference) is reported, not fatal
         return {"error": f"{type(err).__name__}: {err}"}
+    finally:
+        os.environ.pop("REST_LAB_PREDICTIONS", None)
+        if predictions is not None:
+            os.environ["REST_LAB_PREDICTIONS"] = predictions
     rec = {"startup_s": time.perf_counter() - t0, "k": k, "runs": {}}
     warm = [int(t) for t in range(1000, 1032)]  # one untimed request outside the suites: the engine warms up
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)

@@ -6,6 +6,10 @@
                           for the served model when it is built, else none -- said in the log), 'default' (it must
                           be built: an error says how), 'none', or a store folder
     REST_LAB_HISTORY      tokens of served outputs kept as a draft source (default 200000; 0: none)
+    REST_LAB_PREDICTIONS  the model's own predictions as a draft source ("model"), taught by every step's logits:
+                          'default' (starting from the table REST Lab's decoder keeps for the model, when there is
+                          one; what the server learns stays in its memory and is never written back), 'session'
+                          (starting empty), 'none'
     REST_LAB_STEP_COST    a step-cost file (default: the one `rest-lab calibrate-vllm` measured for this model,
                           engine and machine)
     REST_LAB_PROPOSE_LOG  a JSON file the drafter rewrites at its first step and every 16 steps with its counts
@@ -23,7 +27,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from datastores import DatastoreError, HistoryStore, Store, open_answers, open_static_store
+from datastores import (DatastoreError, HistoryStore, RecycleStore, Store, default_recycle_path, open_answers,
+                        open_static_store)
 from datastores.fingerprint import tokenizer_fingerprint
 from rest_base.files import write_atomic
 from rest_core.cost import CostModel
@@ -92,10 +97,32 @@ def step_cost(engine_key: str) -> StepCost:
     return cost
 
 
-def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engine_key: str) -> RestDrafter:
-    """The drafter for a served model, its stores opened as the environment says (see the module docstring)."""
+def _predictions(name: str, tokenizer: Any, vocab_size: Optional[int]) -> Optional[RecycleStore]:
+    """The table of the model's own predictions (REST_LAB_PREDICTIONS), or None without a vocabulary size (an
+    engine whose logits the proposer cannot read)."""
+    spec = os.environ.get("REST_LAB_PREDICTIONS", "default").strip().lower()
+    if spec not in ("default", "session", "none"):
+        raise DatastoreError(f"REST_LAB_PREDICTIONS must be 'default', 'session' or 'none', got {spec!r}")
+    if vocab_size is None or spec == "none":
+        return None
+    if spec == "session":
+        return RecycleStore(vocab_size)
+    path = default_recycle_path(name, tokenizer)
+    try:
+        table = RecycleStore(vocab_size, path=path)
+    except DatastoreError as e:  # REST Lab's own table is a cache, and it is not the server's to repair
+        log.warning("REST Lab: the model's predictions start empty: %s could not be read (%s)", path, e)
+        return RecycleStore(vocab_size)
+    return table.fork()  # learns in memory: a served table is never written back
+
+
+def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engine_key: str,
+                 vocab_size: Optional[int] = None) -> RestDrafter:
+    """The drafter for a served model, its stores opened as the environment says (see the module docstring);
+    `vocab_size`: the model's (the logits' width), where the proposer hands the drafter the model's predictions."""
     report = propose_log()
     name = rest_lab_model_name(model)
+    predictions = _predictions(name, tokenizer, vocab_size)
     static = open_static_store(os.environ.get("REST_LAB_STORE", "default"), tokenizer, progress=False)
     answers = _answers(name, tokenizer)
     try:
@@ -108,14 +135,16 @@ def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engi
     chat = [s for s in (static, answers) if s is not None]
     if not chat and history is None:
         log.warning("REST Lab: no static store and no history: drafting from each request's own tokens only")
-    with_history = [history] if history is not None else []
+    with_history = [s for s in (history, predictions) if s is not None]
     choosers = {kind: CostModel.for_acceptance(name, [*stores, *with_history], kind=kind)
                 for kind, stores in (("text", text), ("chat", chat))}
     cost = step_cost(engine_key)
-    log.info("REST Lab drafting for %s: stores %s, history %s tokens, tokenizer %s, step cost %s", name,
-             [s.label for s in chat], history_tokens, tokenizer_fingerprint(tokenizer)[:12], engine_key)
+    log.info("REST Lab drafting for %s: stores %s, history %s tokens, the model's predictions %s, tokenizer %s, "
+             "step cost %s", name, [s.label for s in chat], history_tokens,
+             "off" if predictions is None else f"on ({predictions.known} tokens known)",
+             tokenizer_fingerprint(tokenizer)[:12], engine_key)
     drafter = RestDrafter({"text": text, "chat": chat}, choosers, cost, max_drafts=max_drafts, max_len=max_len,
-                          chat_markers=chat_markers(tokenizer), history=history)
+                          chat_markers=chat_markers(tokenizer), history=history, predictions=predictions)
     if report is not None:
         report.watch(drafter.stats)
     drafter.report = report

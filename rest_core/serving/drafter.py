@@ -5,7 +5,10 @@ gave each, and each one's prompt + output so far) and answers with the draft tok
 verified next.  It uses the decoder's own parts, not copies of them:
 
     retrieve (rest_core.retrieve)   the static and general-text stores, shared read-only by every request, the
-                                    request's own store (prompt + output so far) and the served outputs' history
+                                    request's own store (prompt + output so far), the served outputs' history
+                                    and the model's own predictions (source "model": datastores.RecycleStore,
+                                    one table for every request, taught the top-k tokens of every row of logits
+                                    the engine computed, which the proposer hands over: `predicted`)
     tree     (rest_core.tree)       the continuations merged into a draft tree
     rank     (rest_core.cost)       each node's chance of acceptance, learned per source as the decoder learns it
     chain                           an engine that verifies chains takes the tree's best path (the likeliest
@@ -25,11 +28,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from datastores import HistoryStore, RequestStore, Store
+from datastores import HistoryStore, RecycleStore, RequestStore, Store
 from rest_core.cost import CostModel
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
 from rest_core.serving.live import LiveStepCost, ProposeTime, RealizedRates, RecentChains
@@ -85,12 +88,14 @@ class RestDrafter:
     ranks and learns acceptance; cost: the calibrated step cost (refreshed here from the engine's real steps);
     max_drafts: the most drafts one request may get (the engine's num_speculative_tokens); max_len: the model's
     context; chat_markers: token ids that only a chat template puts in a prompt (they tell a chat request from
-    plain text); clock: the time in seconds (the engine's steps are timed between two calls of `step`)."""
+    plain text); clock: the time in seconds (the engine's steps are timed between two calls of `step`);
+    predictions: the table of the model's own top predictions, drafted from as source "model" and taught by
+    `predicted` (None: no such source, as where the engine's logits cannot be read)."""
 
     def __init__(self, shared: dict[str, list[Store]], choosers: dict[str, CostModel], cost: StepCost,
                  max_drafts: int, max_len: int, chat_markers: Sequence[int] = (),
                  history: Optional[HistoryStore] = None, settings: Optional[RetrieveSettings] = None,
-                 clock: Optional[Callable[[], float]] = None):
+                 clock: Optional[Callable[[], float]] = None, predictions: Optional[RecycleStore] = None):
         self.shared, self.choosers = shared, choosers
         self.cost = cost if isinstance(cost, LiveStepCost) else LiveStepCost(cost)
         self.propose_time = ProposeTime()
@@ -98,6 +103,8 @@ class RestDrafter:
         self.max_drafts, self.max_len = max_drafts, max_len
         self.chat_markers = frozenset(int(t) for t in chat_markers)
         self.history = history
+        self.predictions = predictions
+        self._top: Optional[Any] = None  # the engine's last step's top-k tokens per row of logits
         self.settings = settings or RetrieveSettings(continuation_len=max(1, min(max_drafts, 24)))
         self.requests: dict[str, RequestState] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
@@ -112,7 +119,10 @@ class RestDrafter:
         self.stats = {"steps": 0, "drafting_steps": 0, "drafted": 0, "accepted": 0, "expected": 0.0,
                       # propose()'s own time, in all and in the steps that looked up; the engine's time between
                       # two calls, over the steps where every request only decoded (timed_steps of them)
-                      "propose_ms": 0.0, "drafting_propose_ms": 0.0, "engine_ms": 0.0, "timed_steps": 0}
+                      "propose_ms": 0.0, "drafting_propose_ms": 0.0, "engine_ms": 0.0, "timed_steps": 0,
+                      # steps whose logits taught the model's predictions, and those whose rows did not add up to
+                      # the requests and drafts the drafter knows of (nothing taught)
+                      "predicted_steps": 0, "predicted_skipped": 0}
         self.report = None  # a serving.config.ProposeLog, where one is asked for: told of every step's stats
 
     # -- the requests ------------------------------------------------------------------------------------------
@@ -130,6 +140,47 @@ class RestDrafter:
             self._left += 1
             if self._left % SAVE_EVERY == 0:
                 self.save_stats()
+
+    # -- the model's own predictions -------------------------------------------------------------------------------
+    def predicted(self, top: Any) -> None:
+        """The top-k token ids (rows x k, best first; a tensor or an array) of every row of logits the engine's
+        step computed: per request in the batch's order, one row for its newest token and one for each draft
+        it was given (a request reading its prompt: one row).  Taught at the next `step`."""
+        self._top = top
+
+    def _teach(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
+               tokens: np.ndarray) -> None:
+        """Teach the predictions table what the model predicted after each token its last step read: a
+        request's newest token before the step, then the drafts it was given (the rows that follow a rejected
+        draft too: the model's prediction in that context all the same).  Rows that do not add up to the drafts
+        the drafter gave (the engine verified fewer, or a warm-up pass) teach nothing."""
+        top, self._top = self._top, None
+        if top is None or self.predictions is None:
+            return
+        if hasattr(top, "cpu"):
+            top = top.cpu().numpy()
+        top = np.asarray(top)
+        given = self._last[1] if self._last is not None else {}
+        counts = [1 + given.get(rid, 0) for rid in req_ids]
+        if top.ndim != 2 or sum(counts) != len(top):
+            self.stats["predicted_skipped"] += 1
+            return
+        read, before, at, start = [], [], [], 0
+        for i, (rid, n) in enumerate(zip(req_ids, counts)):
+            root = int(lengths[i]) - len(sampled[i]) - 1  # the newest token before the step
+            if len(sampled[i]) and root >= 0:
+                state = self.requests.get(rid)
+                chain = state.chain if state is not None else None
+                drafts = chain.tokens[1:].tolist() if chain is not None else []
+                if len(drafts) == n - 1 and (chain is None or int(chain.tokens[0]) == int(tokens[i, root])):
+                    fed = [int(tokens[i, root]), *drafts]
+                    read += fed
+                    before += [int(tokens[i, root - 1]) if root > 0 else -1, *fed[:-1]]
+                    at += range(start, start + n)
+            start += n
+        if read:
+            self.predictions.observe(np.array(read, dtype=np.int64), top[at], np.array(before, dtype=np.int64))
+        self.stats["predicted_steps"] += 1
 
     def _kind(self, tokens: np.ndarray) -> str:
         head = tokens[:8].tolist()
@@ -211,6 +262,7 @@ class RestDrafter:
                tokens: np.ndarray) -> tuple[list[list[int]], bool]:
         """The step's drafts, and whether the stores were looked up for them."""
         self.stats["steps"] += 1
+        self._teach(req_ids, sampled, lengths, tokens)
         self._forget_absent(set(req_ids))
         rows = []
         for i, rid in enumerate(req_ids):
@@ -252,7 +304,8 @@ class RestDrafter:
         """The request's best chain and its prefixes' chances of acceptance."""
         room = min(self.max_drafts, self.max_len - length - 1)
         context = row[max(0, length - self.settings.n_max):length].tolist()
-        stores = [*self.shared.get(state.kind, ()), state.store, *(() if self.history is None else (self.history,))]
+        stores = [*self.shared.get(state.kind, ()), state.store,
+                  *(store for store in (self.history, self.predictions) if store is not None)]
         lookups = retrieve(query_suffix(context, self.settings), stores, self.settings) if room > 0 else []
         tree = build_draft_tree(context[-1], lookups, TREE_NODES)
         chooser = self.choosers[state.kind]

@@ -4,12 +4,18 @@ vLLM builds a custom proposer as `Class(vllm_config)` and calls `propose(sampled
 token_ids_cpu, slot_mappings)` with one row per running request, but hands it no request ids.  The model runner
 that builds the proposer holds them (`runner.input_batch.req_ids`, in row order), so the proposer finds that runner
 among its callers when it is built and reads the ids from it at every step.
+
+Nor does vLLM hand a custom proposer the model's logits.  The runner passes the proposer its model once
+(`load_model(model)`), and every row of logits a step computes comes from that model's `compute_logits`:
+`watch_logits` wraps it so that each call also hands on its rows' top-k token ids (the logits themselves are
+returned unchanged, so sampling and verification are untouched).
 """
 from __future__ import annotations
 
 import os
 import sys
 import weakref
+from collections.abc import Callable
 from typing import Any, Optional
 
 from rest_core.machine import machine_key
@@ -28,6 +34,23 @@ def calling_runner(depth: int = 2) -> Optional[Any]:
             return weakref.proxy(owner)
         frame = frame.f_back
     return None
+
+
+def watch_logits(model: Any, k: int, hand: Callable[[Any], None]) -> bool:
+    """Wrap `model.compute_logits` so that each call hands its rows' top-k token ids (a tensor, on the logits'
+    device) to `hand`; False where the model has no such method (nothing is wrapped)."""
+    original = getattr(model, "compute_logits", None)
+    if not callable(original):
+        return False
+
+    def compute_logits(*args: Any, **kwargs: Any) -> Any:
+        logits = original(*args, **kwargs)
+        if getattr(logits, "ndim", 0) == 2 and logits.shape[0] > 0:
+            hand(logits.topk(k, dim=-1).indices)
+        return logits
+
+    model.compute_logits = compute_logits
+    return True
 
 
 def running_request_ids(runner: Any, rows: int) -> list[str]:
