@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -505,6 +506,28 @@ def test_a_method_may_carry_its_own_draft_length_and_a_wrong_one_is_refused():
         main(["--methods", "plain", "rest", "plain"])
     with pytest.raises(SystemExit, match="unknown method 'rest@x'"):
         main(["--methods", "plain", "rest@x"])
+
+
+def test_rest_stores_is_rest_with_the_model_s_predictions_off_in_its_engine_only(monkeypatch):
+    import sys
+    import types
+
+    from rest_core.serving.bench import run_method, speculative_config
+
+    seen = []
+
+    class LLM:  # stands for vLLM's: records the drafter's setting its engine would start with, then fails
+        def __init__(self, model, speculative_config=None, **engine):
+            seen.append((speculative_config["model"], os.environ.get("REST_LAB_PREDICTIONS")))
+            raise RuntimeError("no engine here")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=None))
+    monkeypatch.setenv("REST_LAB_PREDICTIONS", "session")
+    assert speculative_config("rest_stores", 8) == speculative_config("rest", 8)
+    for method in ("rest_stores", "rest"):
+        assert "no engine here" in run_method("m", method, 8, {}, 1, 16)["error"]
+    assert seen == [("rest_core.vllm.RestProposer", "none"), ("rest_core.vllm.RestProposer", "session")]
+    assert os.environ["REST_LAB_PREDICTIONS"] == "session"
 
 
 def test_the_empty_proposer_drafts_nothing_for_every_request():
