@@ -603,13 +603,14 @@ def test_the_benchmark_gives_propose_s_share_of_each_engine_step():
     from rest_core.serving.report import vllm_markdown
 
     before = {"steps": 10, "drafting_steps": 5, "propose_ms": 5.0, "drafting_propose_ms": 4.0, "engine_ms": 500.0,
-              "timed_steps": 9}
+              "timed_steps": 9, "predicted_steps": 10}
     after = {"steps": 110, "drafting_steps": 55, "propose_ms": 75.0, "drafting_propose_ms": 64.0,
-             "engine_ms": 5500.0, "timed_steps": 109}
+             "engine_ms": 5500.0, "timed_steps": 109, "predicted_steps": 108, "predicted_skipped": 2}
     got = drafter_times(before, after)
     assert got == {"propose_ms_per_step": pytest.approx(0.7), "propose_ms_per_lookup_step": pytest.approx(1.2),
                    "lookup_share": pytest.approx(0.5), "engine_ms_per_step": pytest.approx(50.0),
-                   "gc_ms_per_step": 0.0, "gc_full": 0}
+                   "gc_ms_per_step": 0.0, "gc_full": 0, "predicted_share": pytest.approx(0.98),
+                   "predicted_skipped": 2}
     collected = drafter_times({"steps": 10, "gc_ms": 1.0, "gc_full": 1}, {"steps": 30, "gc_ms": 9.0, "gc_full": 3})
     assert collected["gc_ms_per_step"] == pytest.approx(0.4) and collected["gc_full"] == 2  # the empty proposer's
     assert drafter_times(None, None) == {} and drafter_times({}, {"steps": 0}) == {}
