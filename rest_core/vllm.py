@@ -40,7 +40,8 @@ class RestProposer:
         if self.runner is None:
             self.runner = calling_runner()
         table = self.drafter.predictions
-        if table is not None and not watch_logits(model, table.successors_k, self.drafter.predicted):
+        if table is not None and not watch_logits(model, table.successors_k, self.drafter.predicted,
+                                                  wanted=self.drafter.wants_predictions):
             self.drafter.predictions = None  # nothing would teach it
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,

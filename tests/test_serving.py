@@ -177,8 +177,10 @@ def test_the_drafter_learns_the_model_s_predictions_from_every_row_of_the_step_s
     drafter = make_drafter(tmp_path)
     drafter.predictions = RecycleStore(64)
     # step 1: "a" has read its prompt 3 4 5 (one row of logits, after 5: the model said 6); "b" still reads its own
+    assert not drafter.wants_predictions()  # no step verified drafts yet: its logits are not worth reading
     drafter.predicted(top_rows(6, 50))
     assert drafter.step(["a", "b"], [[6], []], [4, 3], rows([3, 4, 5, 6], [3, 4, 5])) == [[7, 8, 9, 10], []]
+    assert drafter.wants_predictions()  # the next step verifies a's drafts
     table = drafter.predictions
     assert table.successors(4, 5)[0][0] == 6 and table.known == 1  # b's row taught nothing
     # step 2 verified a's four drafts: five rows (after 6, 7, 8, 9, 10), whatever was accepted; b read the rest
@@ -222,6 +224,12 @@ def test_the_logits_watch_hands_on_each_call_s_top_tokens_and_returns_the_logits
     assert seen[0].tolist() == [[1, 2], [0, 2]]
     assert model.compute_logits(torch.zeros(0, 3)).shape == (0, 3) and len(seen) == 1  # no rows: nothing handed
     assert not watch_logits(object(), 2, seen.append)
+    quiet, wanted = Model(), {"now": False}
+    assert watch_logits(quiet, 2, seen.append, wanted=lambda: wanted["now"])
+    assert torch.equal(quiet.compute_logits(hidden), hidden * 2.0) and len(seen) == 1  # not wanted: no top-k
+    wanted["now"] = True
+    quiet.compute_logits(hidden)
+    assert len(seen) == 2
 
 
 def test_the_served_model_s_predictions_are_set_by_the_environment(tmp_path, monkeypatch):

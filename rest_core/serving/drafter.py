@@ -142,6 +142,12 @@ class RestDrafter:
                 self.save_stats()
 
     # -- the model's own predictions -------------------------------------------------------------------------------
+    def wants_predictions(self) -> bool:
+        """Whether the step the engine runs now should hand over its logits' top tokens: it verifies drafts this
+        drafter gave (a step without drafts, where drafting does not pay, is not worth reading every row of its
+        logits for; the table learns again once drafting does)."""
+        return self.predictions is not None and self._last is not None and any(self._last[1].values())
+
     def predicted(self, top: Any) -> None:
         """The top-k token ids (rows x k, best first; a tensor or an array) of every row of logits the engine's
         step computed: per request in the batch's order, one row for its newest token and one for each draft
