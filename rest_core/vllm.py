@@ -2,8 +2,9 @@
 "num_speculative_tokens": k}`.
 
 Every engine step the proposer drafts, for each running request, the best chain of REST Lab's draft tree over
-the model's stores and the model's own predictions, read from its logits (rest_core.serving.drafter), as many tokens of it as the step cost says the whole batch can
-afford (rest_core.serving.load): none at all when drafting would not pay, counting the proposer's own time.  Stores
+the model's stores and the model's own predictions, read from its logits (rest_core.serving.drafter), as many
+tokens of it as the step cost says the whole batch can afford (rest_core.serving.load): none at all when drafting
+would not pay, counting the proposer's own time.  Stores
 and settings come from environment variables (rest_core.serving.config); the step cost is measured once per machine
 with `rest-lab calibrate-vllm MODEL` and refreshed from every step the engine runs (rest_core.serving.live).
 """

@@ -233,10 +233,9 @@ def test_the_logits_watch_hands_on_each_call_s_top_tokens_and_returns_the_logits
 
 
 def test_the_served_model_s_predictions_are_set_by_the_environment(tmp_path, monkeypatch):
+    import rest_core.serving.config as config
     from datastores import DatastoreError, RecycleStore
     from rest_core.serving.config import _predictions
-
-    import rest_core.serving.config as config
 
     monkeypatch.setenv("REST_LAB_PREDICTIONS", "session")
     table = _predictions("m", None, 64)

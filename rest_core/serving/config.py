@@ -27,8 +27,15 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from datastores import (DatastoreError, HistoryStore, RecycleStore, Store, default_recycle_path, open_answers,
-                        open_static_store)
+from datastores import (
+    DatastoreError,
+    HistoryStore,
+    RecycleStore,
+    Store,
+    default_recycle_path,
+    open_answers,
+    open_static_store,
+)
 from datastores.fingerprint import tokenizer_fingerprint
 from rest_base.files import write_atomic
 from rest_core.cost import CostModel
