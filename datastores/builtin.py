@@ -202,9 +202,11 @@ def default_recycle_path(model_name: str, tokenizer: Any) -> Path:
     return cache_dir() / "recycle" / f"{safe_file_name(model_name)}-{tokenizer_fingerprint(tokenizer)[:12]}.npz"
 
 
-def open_recycle(spec: Optional[str], tokenizer: Any, vocab_size: int, model_name: str) -> Optional[RecycleStore]:
+def open_recycle(spec: Optional[str], tokenizer: Any, vocab_size: int, model_name: str,
+                 repair: bool = True) -> Optional[RecycleStore]:
     """The model's own predictions as a draft source: 'default' (kept per model and tokenizer between
-    runs), 'session' (in memory, starting empty), 'none'/None: off; anything else: a table file."""
+    runs), 'session' (in memory, starting empty), 'none'/None: off; anything else: a table file.  A default
+    table that cannot be read is started afresh, or with `repair` False left as it is (DatastoreError)."""
     if spec in (None, "none"):
         return None
     if spec == "session":
@@ -213,7 +215,7 @@ def open_recycle(spec: Optional[str], tokenizer: Any, vocab_size: int, model_nam
     try:
         return RecycleStore(vocab_size, path=path)
     except DatastoreError:
-        if spec != "default":
+        if spec != "default" or not repair:
             raise
         path.unlink(missing_ok=True)  # the built-in table is only a cache: start it afresh
         return RecycleStore(vocab_size, path=path)

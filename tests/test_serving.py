@@ -233,7 +233,7 @@ def test_the_logits_watch_hands_on_each_call_s_top_tokens_and_returns_the_logits
 
 
 def test_the_served_model_s_predictions_are_set_by_the_environment(tmp_path, monkeypatch):
-    import rest_core.serving.config as config
+    import datastores.builtin as builtin
     from datastores import DatastoreError, RecycleStore
     from rest_core.serving.config import _predictions
 
@@ -244,7 +244,7 @@ def test_the_served_model_s_predictions_are_set_by_the_environment(tmp_path, mon
     saved = RecycleStore(64, path=tmp_path / "m.npz")
     saved.observe(np.array([5]), top_rows(6))
     saved.save()
-    monkeypatch.setattr(config, "default_recycle_path", lambda name, tokenizer: tmp_path / f"{name}.npz")
+    monkeypatch.setattr(builtin, "default_recycle_path", lambda name, tokenizer: tmp_path / f"{name}.npz")
     monkeypatch.setenv("REST_LAB_PREDICTIONS", "default")
     table = _predictions("m", None, 64)
     assert table.known == 1 and table.path is None

@@ -32,8 +32,8 @@ from datastores import (
     HistoryStore,
     RecycleStore,
     Store,
-    default_recycle_path,
     open_answers,
+    open_recycle,
     open_static_store,
 )
 from datastores.fingerprint import tokenizer_fingerprint
@@ -112,13 +112,10 @@ def _predictions(name: str, tokenizer: Any, vocab_size: Optional[int]) -> Option
         raise DatastoreError(f"REST_LAB_PREDICTIONS must be 'default', 'session' or 'none', got {spec!r}")
     if vocab_size is None or spec == "none":
         return None
-    if spec == "session":
-        return RecycleStore(vocab_size)
-    path = default_recycle_path(name, tokenizer)
-    try:
-        table = RecycleStore(vocab_size, path=path)
-    except DatastoreError as e:  # REST Lab's own table is a cache, and it is not the server's to repair
-        log.warning("REST Lab: the model's predictions start empty: %s could not be read (%s)", path, e)
+    try:  # REST Lab's own table is a cache, and it is not the server's to repair
+        table = open_recycle(spec, tokenizer, vocab_size, name, repair=False)
+    except DatastoreError as e:
+        log.warning("REST Lab: the model's predictions start empty: the decoder's table could not be read (%s)", e)
         return RecycleStore(vocab_size)
     return table.fork()  # learns in memory: a served table is never written back
 
