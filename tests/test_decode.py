@@ -409,6 +409,33 @@ def test_the_cut_ceiling_script_replays_the_recorded_choice_exactly(tiny_lm):
     assert sum(line.startswith("expected tokens - r * ms") for line in lines) == 4
 
 
+def test_the_cut_ceiling_script_records_the_tree_a_fallback_step_kept(tiny_lm):
+    """A step that asks a fallback store (the dense one) decides twice -- on the other stores' tree, then on the
+    tree with the fallback's drafts -- and the recording keeps the second, one row per step."""
+    from datastores import Lookup, StoreBase
+
+    module = tool("cut_ceiling")
+
+    class Fallback(StoreBase):  # drafts [7, 8] whatever the context, like the dense store
+        source = "dense"
+        fallback = True
+        asked = 0
+
+        def lookup(self, context, n_max=16, n_min=2, max_matches=512, continuation_len=4):
+            Fallback.asked += 1
+            return Lookup(self.source, 32, 32, np.array([[7, 8] + [-1] * (continuation_len - 2)] * 4),
+                          by_suffix=False)
+
+    chooser = CostModel(times_ms=np.array([50.0 + 0.01 * (q - 1) for q in GRID]))
+    dec = RestDecoder(tiny_lm, stores=[*assemble_stores(request=True), Fallback()], budget_chooser=chooser)
+    cfg = DecodeConfig(max_new_tokens=12, stop_at_eos=False)
+    traces = []
+    rows = module.record(dec, [[5, 6, 9, 4]], cfg)
+    dec.generate([5, 6, 9, 4], cfg, hook=traces.append)
+    assert Fallback.asked > 0 and len(rows) == len(traces)
+    assert all(r["candidates"] >= 2 for r in rows)  # every step kept a tree with drafts: its own or the fallback's
+
+
 def made_up_curve(q):
     """A cost curve for the replay tests: 1 token 1 ms, 3 tokens 2.5 ms, 9 tokens 6.9 ms, any other size 100 ms."""
     q = np.asarray(q)

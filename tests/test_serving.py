@@ -546,6 +546,28 @@ def test_rest_stores_is_rest_with_the_model_s_predictions_off_in_its_engine_only
     assert os.environ["REST_LAB_PREDICTIONS"] == "session"
 
 
+def test_plain_sync_is_plain_vllm_with_async_scheduling_off_and_takes_no_draft_length(monkeypatch):
+    import sys
+    import types
+
+    from rest_core.serving.bench import method_spec, run_method, speculative_config
+
+    seen = []
+
+    class LLM:  # stands for vLLM's: records what its engine would start with, then fails
+        def __init__(self, model, speculative_config=None, **engine):
+            seen.append((speculative_config, engine.get("async_scheduling")))
+            raise RuntimeError("no engine here")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=None))
+    assert speculative_config("plain_sync", 8) is None
+    with pytest.raises(SystemExit, match="METHOD@K"):
+        method_spec("plain_sync@8")
+    for method in ("plain_sync", "plain"):
+        assert "no engine here" in run_method("m", method, 8, {}, 1, 16)["error"]
+    assert seen == [(None, False), (None, None)]  # plain leaves async scheduling to vLLM (on where it can)
+
+
 def test_the_empty_proposer_drafts_nothing_for_every_request():
     from rest_core.vllm import NoDraftProposer
 

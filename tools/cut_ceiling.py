@@ -23,12 +23,14 @@ answer the candidates reach per step; `--show-misses N` prints N of the steps no
 `--candidates` hands the cost model more of the merged tree than the decoder's 63 nodes, and
 `--model-branching` / `--model-row-scale` let the model's own predictions (source "model") draft wider and
 deeper, to see how much of that ceiling is the candidate count's and the model source's; `--dense default` adds
-the dense store and reports how many of the steps the text sources miss it covers.
+the dense store and reports how many of the steps the text sources miss it covers (searched as the decoder
+searches it, only where the text sources' cut keeps nothing; with `--dense-every-step`, in every step).
 
     .venv/bin/python tools/cut_ceiling.py --suite humaneval --limit 16
     .venv/bin/python tools/cut_ceiling.py --suite chat --limit 16 --show-misses 30
     .venv/bin/python tools/cut_ceiling.py --suite chat --limit 16 --candidates 255
     .venv/bin/python tools/cut_ceiling.py --suite chat --limit 16 --dense default
+    .venv/bin/python tools/cut_ceiling.py --suite chat --limit 16 --dense default --dense-every-step
 """
 from __future__ import annotations
 
@@ -98,15 +100,25 @@ def record(decoder: RestDecoder, prompts: Sequence[Sequence[int]], cfg: DecodeCo
     recording = _RecordingChooser(chooser)
     decoder.budget_chooser = recording
     rows: list[dict] = []
+    traces: list = []
+    decided: list[tuple[DraftTree, np.ndarray, np.ndarray]] = []
+
+    def step_done(trace) -> None:
+        # the step's last decision: a step that searched a fallback store (the dense one) decided twice, on the
+        # other stores' tree and then on the tree with the fallback's drafts, which it kept
+        traces.append(trace)
+        decided.append(recording.seen[-1])
+        recording.seen.clear()
+
     try:
         for index, ids in enumerate(prompts):
-            start = len(recording.seen)
-            traces = []
-            out = decoder.generate(list(ids), cfg, hook=traces.append)
+            traces.clear()
+            decided.clear()
+            out = decoder.generate(list(ids), cfg, hook=step_done)
             if answers is not None:
                 answers.append(list(out.tokens))
             done = 0
-            for trace, (tree, order, chance) in zip(traces, recording.seen[start:], strict=True):
+            for trace, (tree, order, chance) in zip(traces, decided, strict=True):
                 rank = {int(n): i for i, n in enumerate(order)}
                 path = answer_path(tree, out.tokens[done:])
                 rows.append({"candidates": int(tree.draft_size), "kept": trace.draft_size,
@@ -273,12 +285,18 @@ def main() -> None:
     ap.add_argument("--dense", default="none", metavar="SPEC",
                     help="add a dense store to rest_full's stores: 'default' (the built-in one, built when missing), "
                          "a store folder, or 'none' (default)")
+    ap.add_argument("--dense-every-step", action="store_true",
+                    help="search the dense store in every step, not only where the text sources' cut keeps nothing "
+                         "(as the decoder does): how many steps its candidates could cover, not how many it drafts")
     ap.add_argument("--show-misses", type=int, default=0, metavar="N",
                     help="print N steps (drawn at random, seed 0) whose next token was among no candidate")
     args = ap.parse_args()
     lm = load_model()
     model = RecycleStore(lm.vocab_size, branching=args.model_branching, row_scale=args.model_row_scale)
-    stores, kind = rest_full_stores(lm, args.suite, model=model, dense=open_model_dense(lm, args.dense))
+    dense = open_model_dense(lm, args.dense)
+    if dense is not None and args.dense_every_step:
+        dense.fallback = False  # a main store: looked up with the others in every step
+    stores, kind = rest_full_stores(lm, args.suite, model=model, dense=dense)
     base = CostModel.for_model(lm, stores=stores, kind=kind)
     chooser = CostModel(times_ms=base.times_ms.copy(), labels=base.labels, kind=kind,  # counts from empty
                         max_budget=args.candidates)

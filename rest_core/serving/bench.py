@@ -7,7 +7,8 @@
 Methods: `plain` (no drafting), `ngram` (vLLM's prompt lookup, k tokens, n-grams of 1-4), `suffix`
 (SuffixDecoding, where arctic-inference is installed), `rest` (rest_core.vllm.RestProposer) and, asked for by name,
 `empty` (a custom proposer that never drafts: vLLM's drafting path alone, the floor under REST when it drafts
-nothing).  Every method gets
+nothing), `rest_stores` (REST without the model's predictions) and `plain_sync` (plain with vLLM's async
+scheduling off, as vLLM runs every custom proposer: what of the floor that costs).  Every method gets
 a fresh engine at every batch size (so what suffix decoding and REST keep of past outputs holds only this run's),
 the methods side by side per batch size; the suite's prompts run with that many requests in flight (a finished
 request is replaced at once, as a server's load would be).  Measured: aggregate tokens/s, each
@@ -36,8 +37,9 @@ from pathlib import Path
 from rest_base.files import read_json
 
 ENGINE = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "disable_log_stats": False}
-METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores")
-DEFAULT_METHODS = METHODS[:4]  # `empty` and `rest_stores` (REST without the model's predictions) are diagnoses
+METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores", "plain_sync")
+DEFAULT_METHODS = METHODS[:4]  # the others are diagnoses: `empty`, `rest_stores` (REST without the model's
+# predictions) and `plain_sync` (plain without async scheduling, which vLLM turns off for a custom proposer)
 PROPOSE_LOG = Path(tempfile.gettempdir()) / "rest-lab-propose.json"  # one file per run, named after it
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
@@ -47,14 +49,14 @@ def method_spec(spec: str) -> tuple[str, int | None]:
     """A method as the command line names it: `rest`, or `rest@16` for that method with its own
     num_speculative_tokens (the others keep --k); SystemExit with the choices for anything else."""
     name, at, k = spec.partition("@")
-    if name not in METHODS or (at and not (k.isdigit() and int(k) >= 1)) or (at and name == "plain"):
+    if name not in METHODS or (at and not (k.isdigit() and int(k) >= 1)) or (at and name.startswith("plain")):
         raise SystemExit(f"unknown method {spec!r}: choose from {', '.join(METHODS)}, each drafting method "
                          f"optionally with its own draft length as METHOD@K (e.g. rest@16)")
     return name, int(k) if at else None
 
 
 def speculative_config(method: str, k: int):
-    if method == "plain":
+    if method in ("plain", "plain_sync"):
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -146,14 +148,18 @@ def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_
     if method == "rest_stores":  # the engine's processes read the drafter's settings when they start
         os.environ["REST_LAB_PREDICTIONS"] = "none"
     try:
-        llm = LLM(model, speculative_config=speculative_config(method, k), **ENGINE)
+        llm = LLM(model, speculative_config=speculative_config(method, k), **ENGINE,
+                  **({"async_scheduling": False} if method == "plain_sync" else {}))
     except Exception as err:  # a method that cannot start (suffix without arctic-inference) is reported, not fatal
         return {"error": f"{type(err).__name__}: {err}"}
     finally:
         os.environ.pop("REST_LAB_PREDICTIONS", None)
         if predictions is not None:
             os.environ["REST_LAB_PREDICTIONS"] = predictions
-    rec = {"startup_s": time.perf_counter() - t0, "k": k, "runs": {}}
+    # vLLM overlaps scheduling a step with running the last one (async scheduling) where it can; it turns that
+    # off for a custom proposer, whose drafts need the step's tokens first
+    rec = {"startup_s": time.perf_counter() - t0, "k": k, "runs": {},
+           "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
     warm = [int(t) for t in range(1000, 1032)]  # one untimed request outside the suites: the engine warms up
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     for suite, prompts in suites.items():
