@@ -457,7 +457,7 @@ def test_a_first_request_with_nothing_to_draft_does_not_keep_drafting_off(tmp_pa
 
 # -- the vLLM benchmark's rounds and report ------------------------------------------------------------------
 def bench_result(tokens_per_s: dict) -> dict:
-    """A results.json as rest_core.serving.bench writes it: tokens_per_s[method] lists one value per round at
+    """A results.json as rest_core.bench.vllm_bench writes it: tokens_per_s[method] lists one value per round at
     chat batch 16 (None: that round did not run the method there)."""
     rounds = []
     for r in range(max(len(v) for v in tokens_per_s.values())):
@@ -471,7 +471,7 @@ def bench_result(tokens_per_s: dict) -> dict:
 
 
 def test_the_report_gives_each_cell_its_median_and_range_against_plain_in_the_same_round():
-    from rest_core.serving.report import vllm_markdown
+    from rest_core.bench.vllm_report import vllm_markdown
 
     text = vllm_markdown(bench_result({"plain": [100.0, 120.0, 110.0], "rest": [105.0, 108.0, 121.0]}))
     rest = next(line for line in text.splitlines() if line.startswith("| 16 | rest |"))
@@ -484,7 +484,7 @@ def test_the_report_gives_each_cell_its_median_and_range_against_plain_in_the_sa
 
 
 def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():
-    from rest_core.serving.bench import rounds_per_batch
+    from rest_core.bench.vllm_bench import rounds_per_batch
 
     assert rounds_per_batch([1, 4, 16], 1, ["16=3"]) == {1: 1, 4: 1, 16: 3}
     assert rounds_per_batch([1, 16], 2, []) == {1: 2, 16: 2}
@@ -496,8 +496,8 @@ def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():
 @pytest.mark.model
 def test_a_limit_past_the_benchmark_chat_prompts_keeps_them_first_then_the_suite_s_others():
     from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, chat_prompts
+    from rest_core.bench.vllm_bench import suite_prompts
     from rest_core.model import load_tokenizer
-    from rest_core.serving.bench import suite_prompts
 
     tokenizer = load_tokenizer(None)
     ids = [p.id for p in suite_prompts("chat", tokenizer, 20)]
@@ -511,7 +511,7 @@ def test_a_limit_past_the_benchmark_chat_prompts_keeps_them_first_then_the_suite
 
 
 def test_a_method_may_carry_its_own_draft_length_and_a_wrong_one_is_refused():
-    from rest_core.serving.bench import main, method_spec, speculative_config
+    from rest_core.bench.vllm_bench import main, method_spec, speculative_config
 
     assert method_spec("rest") == ("rest", None) and method_spec("ngram@16") == ("ngram", 16)
     assert speculative_config(*method_spec("rest@12"))["num_speculative_tokens"] == 12
@@ -528,7 +528,7 @@ def test_rest_stores_is_rest_with_the_model_s_predictions_off_in_its_engine_only
     import sys
     import types
 
-    from rest_core.serving.bench import run_method, speculative_config
+    from rest_core.bench.vllm_bench import run_method, speculative_config
 
     seen = []
 
@@ -550,7 +550,7 @@ def test_plain_sync_is_plain_vllm_with_async_scheduling_off_and_takes_no_draft_l
     import sys
     import types
 
-    from rest_core.serving.bench import method_spec, run_method, speculative_config
+    from rest_core.bench.vllm_bench import method_spec, run_method, speculative_config
 
     seen = []
 
@@ -637,8 +637,8 @@ def test_an_unwritable_propose_log_stops_the_drafter_at_start_up(tmp_path, monke
 
 
 def test_the_benchmark_gives_propose_s_share_of_each_engine_step():
-    from rest_core.serving.bench import drafter_times
-    from rest_core.serving.report import vllm_markdown
+    from rest_core.bench.vllm_bench import drafter_times
+    from rest_core.bench.vllm_report import vllm_markdown
 
     before = {"steps": 10, "drafting_steps": 5, "propose_ms": 5.0, "drafting_propose_ms": 4.0, "engine_ms": 500.0,
               "timed_steps": 9, "predicted_steps": 10}

@@ -29,8 +29,8 @@ def main(model: str, path: str) -> None:
     from vllm import LLM
 
     from rest_core.bench.suites import load_suite
+    from rest_core.bench.vllm_bench import ENGINE, counters, speculative_config
     from rest_core.model import load_tokenizer
-    from rest_core.serving.bench import ENGINE, counters, speculative_config
 
     prompts = [list(p.ids) for p in load_suite("humaneval", load_tokenizer(model), PROMPTS)]
     result = {}

@@ -6,7 +6,7 @@ every prompt (`repeats` interleaved rounds) and writes results.json / results.md
 `load_suite` / `BenchPrompt` give the prompts; `run_retrieval` times store lookups against store size;
 `add_bench_parser` / `run_bench` are the command line.  Modules: methods (the methods, measured),
 runner (the run), stats (numbers from the records), report (machine, Markdown, charts), retrieval,
-suites, cli.
+suites, cli; vllm_bench and vllm_report are the same suites served by vLLM (run in .venv-vllm).
 
 Its names load on first use (PEP 562), so `rest_core.bench.suites` imports without the benchmark's plotting and
 tracing dependencies (the vLLM benchmark reads the suites in an environment that has neither).

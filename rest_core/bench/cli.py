@@ -150,7 +150,7 @@ def _run_retrieval(args: argparse.Namespace, out: Path) -> int:
 
 
 def _run_vllm(args: argparse.Namespace) -> int:
-    """The vLLM benchmark (rest_core.serving.bench) in the vLLM environment, on the suite(s) asked for."""
+    """The vLLM benchmark (rest_core.bench.vllm_bench) in the vLLM environment, on the suite(s) asked for."""
     from rest_core.serving.launch import run_module, served_model
 
     argv = ["--model", served_model(args.model), "--suite", *([args.suite] if args.suite else ["humaneval", "chat"]),
@@ -162,4 +162,4 @@ def _run_vllm(args: argparse.Namespace) -> int:
         argv += ["--rounds-at", *args.vllm_rounds_at]
     if args.out:
         argv += ["--out", args.out]
-    return run_module("rest_core.serving.bench", argv)
+    return run_module("rest_core.bench.vllm_bench", argv)

@@ -2,7 +2,7 @@
 
     python -m rest_core bench --engine vllm --suite humaneval --limit 16
 
-(which runs `python -m rest_core.serving.bench` in .venv-vllm).
+(which runs `python -m rest_core.bench.vllm_bench` in .venv-vllm).
 
 Methods: `plain` (no drafting), `ngram` (vLLM's prompt lookup, k tokens, n-grams of 1-4), `suffix`
 (SuffixDecoding, where arctic-inference is installed), `rest` (rest_core.vllm.RestProposer) and, asked for by name,
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
                 into["runs"].update(got.pop("runs", {}))
                 into.update(got)
             (out / "results.json").write_text(json.dumps(result, indent=1))
-    from rest_core.serving.report import vllm_markdown
+    from rest_core.bench.vllm_report import vllm_markdown
 
     (out / "results.md").write_text(vllm_markdown(result))
     print((out / "results.md").read_text())

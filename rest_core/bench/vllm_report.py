@@ -1,4 +1,4 @@
-"""The vLLM benchmark's results as Markdown (rest_core.serving.bench writes results.json, this reads it)."""
+"""The vLLM benchmark's results as Markdown (rest_core.bench.vllm_bench writes results.json, this reads it)."""
 from __future__ import annotations
 
 import statistics
