@@ -24,6 +24,7 @@ from its tokens.  So a server that has seen thousands of requests holds state fo
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best 
 SAVE_EVERY = 32  # ended requests between two saves of the learned acceptance counts
 ENDED_KEPT = 4096  # ids of recently ended requests remembered, so a preempted one's output joins the history once
 LEARNED = 64  # drafts a source must have had tested before the cost model's chances alone value its chains
+EXTEND_BELOW = 2  # a chain shorter than this is carried on from its end by one-token matches (`_extend`)
 
 
 @dataclass
@@ -72,6 +74,16 @@ def best_chain(tree: DraftTree, chooser: CostModel, limit: int) -> tuple[DraftTr
         nodes.append(node)
         chances.append(float(by_node[node]))
     return keep_nodes(tree, np.array(nodes, dtype=np.int64)), chances
+
+
+def join_chains(head: DraftTree, tail: DraftTree) -> DraftTree:
+    """One chain of `head`'s drafts followed by `tail`'s (`tail`'s root stands for `head`'s last node)."""
+    n = len(head) + tail.draft_size
+    agree = None if head.agree is None or tail.agree is None else np.concatenate([head.agree, tail.agree[1:]])
+    return DraftTree(np.concatenate([head.tokens, tail.tokens[1:]]), np.arange(-1, n - 1, dtype=np.int64),
+                     np.arange(n, dtype=np.int64), np.concatenate([head.scores, tail.scores[1:]]),
+                     [*head.sources, *tail.sources[1:]], np.concatenate([head.shares, tail.shares[1:]]),
+                     np.concatenate([head.support, tail.support[1:]]), agree)
 
 
 def _tested(chooser: CostModel, source: str) -> float:
@@ -202,7 +214,7 @@ class RestDrafter:
             state.length = length
             return state
         tokens = np.asarray(row[:length], dtype=np.int64)
-        store = RequestStore(tokens, n_max=self.settings.n_max, n_min=self.settings.n_min)
+        store = RequestStore(tokens, n_max=self.settings.n_max, n_min=1)  # one-token matches too: `_extend`
         state = RequestState(store, length, length - len(new), self._kind(tokens))
         self.requests[rid] = state
         return state
@@ -317,11 +329,29 @@ class RestDrafter:
         chooser = self.choosers[state.kind]
         chooser.use_request(state.corrections)
         chain, chances = best_chain(tree, chooser, room)
+        if chain.draft_size < min(EXTEND_BELOW, room):
+            chain, chances = self._extend(state, context, chain, chances, room, chooser)
         if chances and any(_tested(chooser, name) < LEARNED for name in set(chain.sources[1:])):
             # a source the cost model knows little of: its prior is shy by design, and a chain that is never
             # drafted never teaches it; value the chain as recent drafts fared until its counts speak
             chances = [max(c, p) for c, p in zip(chances, self.profile.chain(len(chances)))]
         return chain, chances
+
+    def _extend(self, state: RequestState, context: list[int], chain: DraftTree, chances: list[float], room: int,
+                chooser: CostModel) -> tuple[DraftTree, list[float]]:
+        """A chain the stores' matches of two tokens or more leave short, carried on from its end by what followed
+        its newest token alone in the request (as prompt lookup does from one token) and by the model's own
+        predictions after it: the plan weighs those drafts at their chances like any, and an engine whose step
+        over a few tokens costs no more than one over one token (measured: serving.load) takes them."""
+        query = query_suffix(context + chain.tokens[1:].tolist(), self.settings)
+        stores = [*self.shared.get(state.kind, ()), state.store, *(s for s in (self.predictions,) if s is not None)]
+        short = dataclasses.replace(self.settings, n_min=1)
+        tree = build_draft_tree(query[-1], retrieve(query, stores, short), TREE_NODES)
+        tail, more = best_chain(tree, chooser, room - chain.draft_size)
+        if not more:
+            return chain, chances
+        last = chances[-1] if chances else 1.0
+        return join_chains(chain, tail), chances + [last * c for c in more]
 
     def save_stats(self) -> None:
         """Keep what the choosers learned for the next run (the decoder's acceptance files)."""
