@@ -144,6 +144,33 @@ def test_the_drafter_drafts_a_chain_and_learns_from_the_verdict(tmp_path):
     assert drafter.requests["a"].store.tokens.tolist() == after
 
 
+def test_a_chain_the_longer_matches_leave_short_is_carried_on_by_one_token_matches(tmp_path):
+    drafter = make_drafter(tmp_path)
+    # no store holds the pair (99, 9), so two-token matches find nothing; 9 alone continues 10 11 12 ... in the
+    # static store, and those drafts are what the request gets
+    assert drafter.step(["a"], [[9]], [3], rows([3, 99, 9])) == [[10, 11, 12, 13]]
+    chain = drafter.requests["a"].chain
+    assert chain.depths.tolist() == [0, 1, 2, 3, 4] and set(chain.sources[1:]) == {"static"}
+    # a context the longer matches cover drafts as before: no one-token look-up needed
+    assert drafter.step(["b"], [[6]], [4], rows([3, 4, 5, 6])) == [[7, 8, 9, 10]]
+
+
+def test_join_chains_puts_the_tail_after_the_head_s_last_draft():
+    from rest_core.serving.drafter import join_chains
+
+    def chain(tokens, source):
+        n = len(tokens)
+        return DraftTree(tokens=np.array(tokens), parents=np.arange(-1, n - 1), depths=np.arange(n),
+                         scores=np.linspace(1.0, 0.5, n), sources=["", *[source] * (n - 1)],
+                         shares=np.full(n, 0.5), support=np.arange(n, dtype=float), agree=np.ones(n, dtype=np.int64))
+
+    joined = join_chains(chain([1, 2], "model"), chain([2, 3, 4], "request"))
+    assert joined.tokens.tolist() == [1, 2, 3, 4] and joined.parents.tolist() == [-1, 0, 1, 2]
+    assert joined.depths.tolist() == [0, 1, 2, 3] and joined.sources == ["", "model", "request", "request"]
+    assert joined.support.tolist() == [0.0, 1.0, 1.0, 2.0] and joined.agree.tolist() == [1, 1, 1, 1]
+    assert join_chains(chain([1], ""), chain([1, 5], "static")).tokens.tolist() == [1, 5]  # an empty head
+
+
 def test_request_states_follow_completion_preemption_and_thousands_of_requests(tmp_path):
     drafter = make_drafter(tmp_path)
     drafter.step(["a", "b"], [[6], [6]], [4, 4], rows([3, 4, 5, 6], [9, 4, 5, 6]))
