@@ -38,6 +38,7 @@ from rest_base.files import read_json
 
 ENGINE = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "disable_log_stats": False}
 METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores", "plain_sync")
+PLAIN_METHODS = ("plain", "plain_sync")  # no drafting, so no draft length
 DEFAULT_METHODS = METHODS[:4]  # the others are diagnoses: `empty`, `rest_stores` (REST without the model's
 # predictions) and `plain_sync` (plain without async scheduling, which vLLM turns off for a custom proposer)
 PROPOSE_LOG = Path(tempfile.gettempdir()) / "rest-lab-propose.json"  # one file per run, named after it
@@ -49,14 +50,14 @@ def method_spec(spec: str) -> tuple[str, int | None]:
     """A method as the command line names it: `rest`, or `rest@16` for that method with its own
     num_speculative_tokens (the others keep --k); SystemExit with the choices for anything else."""
     name, at, k = spec.partition("@")
-    if name not in METHODS or (at and not (k.isdigit() and int(k) >= 1)) or (at and name.startswith("plain")):
+    if name not in METHODS or (at and not (k.isdigit() and int(k) >= 1)) or (at and name in PLAIN_METHODS):
         raise SystemExit(f"unknown method {spec!r}: choose from {', '.join(METHODS)}, each drafting method "
                          f"optionally with its own draft length as METHOD@K (e.g. rest@16)")
     return name, int(k) if at else None
 
 
 def speculative_config(method: str, k: int):
-    if method in ("plain", "plain_sync"):
+    if method in PLAIN_METHODS:
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
@@ -156,8 +157,8 @@ def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_
         os.environ.pop("REST_LAB_PREDICTIONS", None)
         if predictions is not None:
             os.environ["REST_LAB_PREDICTIONS"] = predictions
-    # vLLM overlaps scheduling a step with running the last one (async scheduling) where it can; it turns that
-    # off for a custom proposer, whose drafts need the step's tokens first
+    # vLLM overlaps scheduling a step with running the last one (async scheduling) where it can: never for a
+    # custom proposer, whose drafts need the step's tokens first, and (vLLM 0.32) not on CPU for plain either
     rec = {"startup_s": time.perf_counter() - t0, "k": k, "runs": {},
            "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
     warm = [int(t) for t in range(1000, 1032)]  # one untimed request outside the suites: the engine warms up

@@ -118,6 +118,7 @@ class RestDrafter:
         self.predictions = predictions
         self._top: Optional[Any] = None  # the engine's last step's top-k tokens per row of logits
         self.settings = settings or RetrieveSettings(continuation_len=max(1, min(max_drafts, 24)))
+        self._one_token = dataclasses.replace(self.settings, n_min=1)  # `_extend`'s look-ups
         self.requests: dict[str, RequestState] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._left = 0  # requests that left the batch so far
@@ -214,8 +215,7 @@ class RestDrafter:
             state.length = length
             return state
         tokens = np.asarray(row[:length], dtype=np.int64)
-        store = RequestStore(tokens, n_max=self.settings.n_max, n_min=1)  # one-token matches too: `_extend`
-        state = RequestState(store, length, length - len(new), self._kind(tokens))
+        state = RequestState(self._request_store(tokens), length, length - len(new), self._kind(tokens))
         self.requests[rid] = state
         return state
 
@@ -315,15 +315,14 @@ class RestDrafter:
         (or build) the native code of the stores, the tree and the ranking."""
         probe = np.array([7, 8, 9, 7, 8], dtype=np.int64)
         for kind in self.choosers:
-            store = RequestStore(probe, n_max=self.settings.n_max, n_min=self.settings.n_min)
+            store = self._request_store(probe)
             self._chain(RequestState(store, len(probe), len(probe), kind), probe, len(probe))
 
     def _chain(self, state: RequestState, row: np.ndarray, length: int) -> tuple[DraftTree, list[float]]:
         """The request's best chain and its prefixes' chances of acceptance."""
         room = min(self.max_drafts, self.max_len - length - 1)
         context = row[max(0, length - self.settings.n_max):length].tolist()
-        stores = [*self.shared.get(state.kind, ()), state.store,
-                  *(store for store in (self.history, self.predictions) if store is not None)]
+        stores = self._stores(state, self.history, self.predictions)
         lookups = retrieve(query_suffix(context, self.settings), stores, self.settings) if room > 0 else []
         tree = build_draft_tree(context[-1], lookups, TREE_NODES)
         chooser = self.choosers[state.kind]
@@ -340,18 +339,26 @@ class RestDrafter:
     def _extend(self, state: RequestState, context: list[int], chain: DraftTree, chances: list[float], room: int,
                 chooser: CostModel) -> tuple[DraftTree, list[float]]:
         """A chain the stores' matches of two tokens or more leave short, carried on from its end by what followed
-        its newest token alone in the request (as prompt lookup does from one token) and by the model's own
-        predictions after it: the plan weighs those drafts at their chances like any, and an engine whose step
-        over a few tokens costs no more than one over one token (measured: serving.load) takes them."""
+        its newest token alone (as prompt lookup does from one token) in the shared stores and the request, and
+        by the model's own predictions after it (the history is indexed from two tokens and left out): the plan
+        weighs those drafts at their chances like any, and an engine whose step over a few tokens costs no more
+        than one over one token (measured: serving.load) takes them."""
         query = query_suffix(context + chain.tokens[1:].tolist(), self.settings)
-        stores = [*self.shared.get(state.kind, ()), state.store, *(s for s in (self.predictions,) if s is not None)]
-        short = dataclasses.replace(self.settings, n_min=1)
-        tree = build_draft_tree(query[-1], retrieve(query, stores, short), TREE_NODES)
+        stores = self._stores(state, self.predictions)
+        tree = build_draft_tree(query[-1], retrieve(query, stores, self._one_token), TREE_NODES)
         tail, more = best_chain(tree, chooser, room - chain.draft_size)
         if not more:
             return chain, chances
         last = chances[-1] if chances else 1.0
         return join_chains(chain, tail), chances + [last * c for c in more]
+
+    def _request_store(self, tokens: Sequence[int] | np.ndarray) -> RequestStore:
+        """A request's own store, indexed from one-token suffixes so that `_extend` can look its newest token up."""
+        return RequestStore(tokens, n_max=self.settings.n_max, n_min=1)
+
+    def _stores(self, state: RequestState, *more: Optional[Store]) -> list[Store]:
+        """What a request drafts from, in merge order: the shared stores of its kind, its own, then `more`."""
+        return [*self.shared.get(state.kind, ()), state.store, *(store for store in more if store is not None)]
 
     def save_stats(self) -> None:
         """Keep what the choosers learned for the next run (the decoder's acceptance files)."""
