@@ -510,6 +510,41 @@ def test_the_report_gives_each_cell_its_median_and_range_against_plain_in_the_sa
     assert "| 97.0 | 0.97× |" in one  # a single round: no range
 
 
+def test_the_report_names_the_gpu_a_run_measured_and_the_cpu_settings_only_without_one():
+    from rest_core.bench.vllm_report import vllm_markdown
+
+    cpu = vllm_markdown(bench_result({"plain": [100.0]}))
+    assert "Machine: CPU (family/model 25/17, avx2), 2 cores" in cpu and "VLLM_CPU_KVCACHE_SPACE=2 GB" in cpu
+    result = bench_result({"plain": [100.0]})
+    result["machine"].update(gpu="NVIDIA H100 80GB HBM3", torch="2.11.0+cu130", kv_cache_gb=None)
+    gpu = vllm_markdown(result)
+    assert "Machine: NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130) on CPU (family/model 25/17" in gpu
+    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu
+
+
+def test_the_benchmark_serves_the_dtype_it_is_given_and_keeps_float32_by_default(monkeypatch, tmp_path):
+    from rest_core.bench import vllm_bench
+
+    seen = []
+
+    def run_method(model, spec, k, suites, batch, max_new_tokens, engine=vllm_bench.ENGINE):
+        seen.append(engine["dtype"])
+        return {"runs": {}}
+
+    monkeypatch.setattr(vllm_bench, "run_method", run_method)
+    monkeypatch.setattr(vllm_bench, "machine", lambda: bench_result({"plain": [1.0]})["machine"])
+    monkeypatch.setattr(vllm_bench, "suite_prompts", lambda suite, tokenizer, limit: [])
+    monkeypatch.setattr("rest_core.model.resolve_source", lambda model: ("x", "x"))
+    monkeypatch.setattr("rest_core.model.load_tokenizer", lambda model: None)
+    monkeypatch.setattr("rest_core.bench.vllm_report.vllm_markdown", lambda r: r["settings"]["engine"]["dtype"])
+    for argv, dtype in (([], "float32"), (["--dtype", "bfloat16"], "bfloat16")):
+        out = tmp_path / dtype
+        vllm_bench.main(["--methods", "plain", "--batches", "1", "--out", str(out), *argv])
+        assert json.loads((out / "results.json").read_text())["settings"]["engine"]["dtype"] == dtype
+        assert (out / "results.md").read_text() == dtype
+    assert seen == ["float32", "bfloat16"]
+
+
 def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():
     from rest_core.bench.vllm_bench import rounds_per_batch
 

@@ -133,7 +133,8 @@ def drafter_times(before, after) -> dict:
             "predicted_share": d["predicted_steps"] / max(d["steps"], 1), "predicted_skipped": d["predicted_skipped"]}
 
 
-def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_tokens: int) -> dict:
+def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_tokens: int,
+               engine: dict = ENGINE) -> dict:
     """One method (`name` or `name@k`) at one batch size on a fresh engine: what a method caches across requests
     (suffix decoding's tree of past outputs, REST's history) holds only what this run served, never the answers
     of a run before."""
@@ -149,7 +150,7 @@ def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_
     if method == "rest_stores":  # the engine's processes read the drafter's settings when they start
         os.environ["REST_LAB_PREDICTIONS"] = "none"
     try:
-        llm = LLM(model, speculative_config=speculative_config(method, k), **ENGINE,
+        llm = LLM(model, speculative_config=speculative_config(method, k), **engine,
                   **({"async_scheduling": False} if method == "plain_sync" else {}))
     except Exception as err:  # a method that cannot start (suffix without arctic-inference) is reported, not fatal
         return {"error": f"{type(err).__name__}: {err}"}
@@ -186,11 +187,13 @@ def machine() -> dict:
                                 cwd=Path(__file__).resolve().parents[2]).stdout.strip()
     except OSError:
         commit = ""
+    import torch
     import vllm
 
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {**cpu_info(), "cores": os.cpu_count(), "python": platform.python_version(), "vllm": vllm.__version__,
-            "commit": commit, "ld_preload": os.environ.get("LD_PRELOAD", ""),
-            "kv_cache_gb": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+            "torch": torch.__version__, "gpu": gpu, "commit": commit, "ld_preload": os.environ.get("LD_PRELOAD", ""),
+            "kv_cache_gb": None if gpu else os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
 
 
 def suite_prompts(suite: str, tokenizer, limit: int) -> list:
@@ -235,8 +238,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--rounds-at", nargs="+", default=[], metavar="BATCH=N",
                     help="more rounds at these batch sizes (e.g. 16=3); the others get --rounds")
+    ap.add_argument("--dtype", default=ENGINE["dtype"],
+                    help="the served model's dtype (float32 as REST Lab's CPU decoder; bfloat16 is usual on a GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    engine = {**ENGINE, "dtype": args.dtype}
     for spec in args.methods:
         method_spec(spec)  # a wrong name stops the run before any engine starts
     if len(set(args.methods)) < len(args.methods):
@@ -249,14 +255,14 @@ def main(argv=None) -> int:
     out = Path(args.out or Path("bench_out") / f"vllm-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": "python -m rest_core bench --engine vllm " + " ".join(argv or sys.argv[1:]),
-              "machine": machine(), "settings": {**vars(args), "engine": ENGINE}, "rounds": []}
+              "machine": machine(), "settings": {**vars(args), "engine": engine}, "rounds": []}
     rounds = rounds_per_batch(args.batches, args.rounds, args.rounds_at)
     for r in range(max(rounds.values())):
         order = args.methods if r % 2 == 0 else args.methods[::-1]
         result["rounds"].append({m: {"runs": {}} for m in order})
         for batch in (b for b in args.batches if rounds[b] > r):  # the methods side by side at each batch size
             for m in order:
-                got = run_method(model, m, args.k, suites, batch, args.max_new_tokens)
+                got = run_method(model, m, args.k, suites, batch, args.max_new_tokens, engine)
                 into = result["rounds"][-1][m]
                 into["runs"].update(got.pop("runs", {}))
                 into.update(got)

@@ -47,6 +47,15 @@ def _step_ms(runs: list[dict]) -> str:
     return f"{statistics.median(steps):.1f}{inner}"
 
 
+def machine_line(m: dict) -> str:
+    """The machine a run measured: its GPU where vLLM ran on one, its CPU always."""
+    cpu = (f"{m['cpu']} (family/model {m['cpu_family']}, {', '.join(m['cpu_features'])}), {m['cores']} cores; "
+           f"commit {m['commit']}; Python {m['python']}")
+    if m.get("gpu"):
+        return f"{m['gpu']} (torch {m.get('torch', '?')}) on {cpu}"
+    return f"{cpu}; LD_PRELOAD={m['ld_preload'] or '-'}; VLLM_CPU_KVCACHE_SPACE={m['kv_cache_gb']} GB"
+
+
 def vllm_markdown(result: dict) -> str:
     """One table per suite: per batch size and method, tokens/s (and against plain in the same round), latency,
     tokens per step, identical outputs."""
@@ -54,9 +63,7 @@ def vllm_markdown(result: dict) -> str:
     s = result["settings"]
     methods = list(result["rounds"][0])
     lines = [f"# vLLM {m['vllm']}: plain, ngram, suffix and REST drafting", "",
-             f"Machine: {m['cpu']} (family/model {m['cpu_family']}, {', '.join(m['cpu_features'])}), "
-             f"{m['cores']} cores; commit {m['commit']}; Python {m['python']}; LD_PRELOAD={m['ld_preload'] or '-'}; "
-             f"VLLM_CPU_KVCACHE_SPACE={m['kv_cache_gb']} GB.", "",
+             f"Machine: {machine_line(m)}.", "",
              f"Command: `{result['command']}`", "",
              f"Greedy, {s['max_new_tokens']} new tokens, k = {s['k']} drafts at most per request and step "
              f"(METHOD@K: K), "
