@@ -96,6 +96,15 @@ def replay(drafter, pairs, batch: int, cost, clock: EngineClock) -> list[tuple[b
     return calls
 
 
+class NeverDrafts:
+    """A drafter that gives no drafts: the simulated engine's plain decoding, the ratio's baseline."""
+
+    stats = {"drafting_steps": 0}
+
+    def step(self, ids, sampled, lengths, rows):
+        return [[] for _ in ids]
+
+
 def summary(calls, tokens: int, label: str) -> str:
     def line(name, ms):
         if not ms:
@@ -146,6 +155,9 @@ def main(argv=None) -> int:
     drafter.clock = clock
     print(cpu_line(cpu_info()))
     profiler = cProfile.Profile() if args.profile else None
+    plain_s = sum(cost(c[3], 0) for c in replay(NeverDrafts(), pairs, args.batch, cost, EngineClock())) / 1e3
+    tokens = sum(len(o) for _, o in pairs)
+    print(f"plain (simulated): {tokens / plain_s:.1f} tokens/s")
     for r in range(args.rounds):
         if profiler and r == args.rounds - 1:
             profiler.enable()
@@ -153,10 +165,10 @@ def main(argv=None) -> int:
         calls = replay(drafter, pairs, args.batch, cost, clock)
         if profiler and r == args.rounds - 1:
             profiler.disable()
-        tokens = sum(len(o) for _, o in pairs)
         print(summary(calls, tokens, f"round {r + 1}, {args.suite}, batch {args.batch}"))
         spent_s = clock.engine_s - engine_before + sum(c[1] for c in calls) / 1e3
-        print(f"  simulated: {tokens / spent_s:.1f} tokens/s (the simulated engine's steps plus propose()'s time)")
+        print(f"  simulated: {tokens / spent_s:.1f} tokens/s (the simulated engine's steps plus propose()'s time), "
+              f"{plain_s / spent_s:.3f}x plain")
     if profiler:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
     return 0
