@@ -61,6 +61,13 @@ def add_serving_parsers(sub: argparse._SubParsersAction) -> None:
     cal = sub.add_parser("calibrate-vllm", help="measure vLLM's step cost on this machine for REST drafting")
     cal.add_argument("model", nargs="?", default=None, help="folder or hub id (default: REST Lab's default model)")
     cal.add_argument("--rounds", type=int, default=2, help="measurements of every cell; each keeps its fastest")
+    cal.add_argument("--dtype", default="auto", help="as the model is served (vLLM's --dtype; default: auto)")
+    cal.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    cal.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    cal.add_argument("--max-model-len", type=int, default=None)
+    cal.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                     help="measure the model run eagerly (default); --no-enforce-eager for an engine served without "
+                          "vLLM's --enforce-eager (CUDA graphs, torch.compile)")
     cal.set_defaults(func=cmd_calibrate_vllm)
 
 
@@ -77,8 +84,13 @@ def cmd_calibrate_vllm(args: argparse.Namespace) -> int:
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}.")
+    from rest_core.serving.engine import calibration_options
+
     vllm_python()  # no vLLM environment: said before the model is fetched or converted
-    return run_module("rest_core.serving.calibrate", [served_model(args.model), "--rounds", str(args.rounds)])
+    settings = {name: getattr(args, name) for name in ("dtype", "tensor_parallel_size", "pipeline_parallel_size",
+                                                       "max_model_len", "enforce_eager")}
+    return run_module("rest_core.serving.calibrate",
+                      [served_model(args.model), "--rounds", str(args.rounds), *calibration_options(settings)])
 
 
 def build_decoder(args: argparse.Namespace, lm: LoadedModel) -> RestDecoder:

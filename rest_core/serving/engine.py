@@ -59,16 +59,39 @@ def running_request_ids(runner: Any, rows: int) -> list[str]:
     return list(runner.input_batch.req_ids[:rows])
 
 
+def engine_settings(vllm_config: Any) -> dict:
+    """The engine's settings that a step's cost depends on, as the calibration's options name them."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    return {"dtype": str(model.dtype).split(".")[-1], "tensor_parallel_size": parallel.tensor_parallel_size,
+            "pipeline_parallel_size": parallel.pipeline_parallel_size,
+            "enforce_eager": bool(getattr(model, "enforce_eager", True))}
+
+
+def calibration_options(settings: dict) -> list[str]:
+    """`rest-lab calibrate-vllm` options that measure an engine with these settings (engine_settings)."""
+    options = []
+    if settings.get("dtype", "auto") != "auto":
+        options += ["--dtype", str(settings["dtype"])]
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
+        if settings.get(name) is not None:
+            options += ["--" + name.replace("_", "-"), str(settings[name])]
+    if not settings.get("enforce_eager", True):
+        options.append("--no-enforce-eager")
+    return options
+
+
 def engine_key(vllm_config: Any) -> str:
     """Names the step-cost table: the model, device, dtype, parallelism, vLLM's version, whether Intel's OpenMP is
-    preloaded (it changes a CPU step's cost) and this machine."""
+    preloaded (it changes a CPU step's cost), whether the engine compiles the model (CUDA graphs or torch.compile:
+    not run eagerly) and this machine."""
     import vllm
 
     from rest_core.serving.config import rest_lab_model_name
 
-    model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
+    settings = engine_settings(vllm_config)
     device = getattr(vllm_config.device_config, "device_type", "cpu")
-    return (f"{rest_lab_model_name(model.model)}-{device}-{str(model.dtype).split('.')[-1]}"
-            f"-tp{parallel.tensor_parallel_size}-pp{parallel.pipeline_parallel_size}-vllm{vllm.__version__}"
-            f"{'-iomp' if 'libiomp5' in os.environ.get('LD_PRELOAD', '') else ''}-{machine_key()}")
+    return (f"{rest_lab_model_name(vllm_config.model_config.model)}-{device}-{settings['dtype']}"
+            f"-tp{settings['tensor_parallel_size']}-pp{settings['pipeline_parallel_size']}-vllm{vllm.__version__}"
+            f"{'-iomp' if 'libiomp5' in os.environ.get('LD_PRELOAD', '') else ''}"
+            f"{'' if settings['enforce_eager'] else '-compiled'}-{machine_key()}")

@@ -53,23 +53,63 @@ def served_model(model: str | None) -> str:
     return resolve_source(model)[1]
 
 
-def has_curve(model: str) -> bool:
-    """Whether a step cost was measured for this model with the vLLM environment's version on this machine
-    (any engine settings: the proposer itself refuses a table measured for others, saying how to measure it)."""
+SETTING_OPTIONS = {"--dtype": "dtype", "--tensor-parallel-size": "tensor_parallel_size", "-tp": "tensor_parallel_size",
+                   "--pipeline-parallel-size": "pipeline_parallel_size", "-pp": "pipeline_parallel_size",
+                   "--max-model-len": "max_model_len"}
+
+
+def engine_options(vllm_args: Sequence[str]) -> dict:
+    """The settings a step's cost depends on (serving.engine.engine_settings), as vLLM's options give them: the
+    dtype, the parallelism, the context length and whether the model runs eagerly (vLLM's defaults otherwise)."""
+    found = {"dtype": "auto", "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "max_model_len": None,
+             "enforce_eager": False}
+    args = list(vllm_args)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name == "--enforce-eager":
+            found["enforce_eager"] = value.lower() not in ("false", "0") if eq else True
+        elif name in SETTING_OPTIONS:
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            key = SETTING_OPTIONS[name]
+            if key == "dtype":
+                found[key] = value
+            else:
+                try:
+                    found[key] = int(value)
+                except ValueError:
+                    raise ValueError(f"{name} needs a number, got {value!r}") from None
+    return found
+
+
+def has_curve(model: str, settings: dict) -> bool:
+    """Whether a step cost was measured for this model with these engine settings (engine_options) with the vLLM
+    environment's version on some machine (the proposer itself refuses a table measured on another, saying how to
+    measure it); any dtype where the settings leave it to vLLM ('auto')."""
+    import re
+
     from rest_core.serving.config import rest_lab_model_name
     from rest_core.serving.load import curve_path
 
+    dtype = "[^-]+" if settings.get("dtype", "auto") == "auto" else re.escape(str(settings["dtype"]))
+    shape = re.compile(f"-{dtype}-tp{settings.get('tensor_parallel_size', 1)}"
+                       f"-pp{settings.get('pipeline_parallel_size', 1)}-vllm")
+    eager = settings.get("enforce_eager", True)
     folder = curve_path("x").parent
-    return any(folder.glob(f"vllm-{safe_file_name(rest_lab_model_name(model))}-*.json"))
+    return any(shape.search(path.name) and ("-compiled-" not in path.name) == eager
+               for path in folder.glob(f"vllm-{safe_file_name(rest_lab_model_name(model))}-*.json"))
 
 
 def serve(model: str | None, drafts: int, vllm_args: Sequence[str]) -> int:
     """vLLM's OpenAI-compatible server for `model` with REST drafting; the step cost measured first if needed."""
     python = vllm_python()  # no vLLM environment: said before the model is fetched or converted
+    settings = engine_options(vllm_args)
     folder = served_model(model)
-    if not has_curve(folder):
-        print("Measuring vLLM's step cost on this machine (once per model and machine)...", flush=True)
-        status = run_module("rest_core.serving.calibrate", [folder])
+    if not has_curve(folder, settings):
+        from rest_core.serving.engine import calibration_options
+
+        print("Measuring vLLM's step cost on this machine (once per model, engine settings and machine)...",
+              flush=True)
+        status = run_module("rest_core.serving.calibrate", [folder, *calibration_options(settings)])
         if status:
             return status
     spec = ('{"method": "custom_class", "model": "rest_core.vllm.RestProposer", '
