@@ -597,6 +597,27 @@ def test_the_benchmark_serves_the_dtype_it_is_given_and_keeps_float32_by_default
     assert seen == ["float32", "bfloat16"]
 
 
+def test_bench_with_the_vllm_engine_passes_its_settings_on_to_the_vllm_benchmark(monkeypatch):
+    from rest_core.cli import main as cli_main
+    from rest_core.serving import launch
+
+    def main(argv):
+        return cli_main(["bench", *argv])
+
+    calls = []
+    monkeypatch.setattr(launch, "run_module", lambda module, argv: calls.append((module, list(argv))) or 0)
+    monkeypatch.setattr(launch, "served_model", lambda model: "/models/m")
+    assert main(["--engine", "vllm", "--suite", "chat", "--limit", "8", "--batches", "1", "16",
+                 "--vllm-methods", "plain", "rest", "--dtype", "bfloat16"]) == 0
+    module, argv = calls[0]
+    assert module == "rest_core.bench.vllm_bench"
+    assert argv[:4] == ["--model", "/models/m", "--suite", "chat"]
+    for pair in (["--limit", "8"], ["--batches", "1", "16"], ["--methods", "plain", "rest"], ["--dtype", "bfloat16"]):
+        assert any(argv[i:i + len(pair)] == pair for i in range(len(argv))), pair
+    main(["--engine", "vllm", "--suite", "chat"])
+    assert "--dtype" not in calls[1][1]  # not given: the vLLM benchmark's own default (float32)
+
+
 def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():
     from rest_core.bench.vllm_bench import rounds_per_batch
 

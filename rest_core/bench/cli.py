@@ -160,6 +160,8 @@ def _run_vllm(args: argparse.Namespace) -> int:
         argv += ["--methods", *args.vllm_methods]
     if args.vllm_rounds_at:
         argv += ["--rounds-at", *args.vllm_rounds_at]
+    if args.dtype:
+        argv += ["--dtype", args.dtype]  # the served model's (vLLM's default here: float32, as REST Lab's on a CPU)
     if args.out:
         argv += ["--out", args.out]
     return run_module("rest_core.bench.vllm_bench", argv)
