@@ -20,6 +20,7 @@ from rest_core.serving.engine import (
     calling_runner,
     engine_key,
     engine_settings,
+    remaining_tokens,
     running_request_ids,
     watch_logits,
 )
@@ -59,7 +60,8 @@ class RestProposer:
             raise RuntimeError("REST Lab's proposer cannot see the running requests' ids in this vLLM version "
                                "(no model runner among its callers); use vLLM 0.32 (scripts/setup.sh --vllm)")
         ids = running_request_ids(self.runner, len(sampled_token_ids))
-        return self.drafter.step(ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        return self.drafter.step(ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+                                 remaining_tokens(self.runner, ids))
 
 
 class NoDraftProposer:

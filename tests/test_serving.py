@@ -444,6 +444,80 @@ def serve(drafter, clock: FakeTime, step_ms, steps: int, batch: int = 4, name: s
     return given
 
 
+def test_while_the_batch_drains_a_token_is_worth_most_to_the_requests_it_waits_for():
+    from rest_core.serving.load import wave_worth
+
+    cost = table(40.0, 2.5)  # a step over one request fewer saves 2.5 ms
+    worth, base = wave_worth([100, 96, 50, 10], cost, batch=4, tied=8)
+    assert base == 2.0  # the two with the most to go, within 8 tokens of each other
+    assert worth[:2] == [1.0, 1.0]
+    assert worth[2] == worth[3] == pytest.approx(2 * 2.5 / cost(4, 0))
+    # the plan: the same chains; as throughput both requests draft, weighed by worth only the critical one
+    chains = [[0.6], [0.6]]
+    flat = table(30.0, 5.0)
+    assert plan_drafts(chains, flat) == [1, 1]
+    assert plan_drafts(chains, flat, worth=[1.0, 0.1], base=1.0) == [1, 0]
+
+
+def test_the_tokens_a_request_may_still_produce_come_from_the_runner_s_request_states():
+    from types import SimpleNamespace
+
+    from rest_core.serving.engine import remaining_tokens
+
+    def state(max_tokens, produced):
+        return SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=max_tokens), output_token_ids=[7] * produced)
+
+    runner = SimpleNamespace(requests={"a": state(128, 30), "b": state(16, 20), "c": state(None, 3)})
+    assert remaining_tokens(runner, ["a", "b"]) == [98, 0]
+    assert remaining_tokens(runner, ["a", "c"]) is None  # no limit: nothing to say
+    assert remaining_tokens(runner, ["a", "gone"]) is None
+    assert remaining_tokens(SimpleNamespace(), ["a"]) is None  # a runner without request states
+
+
+def test_the_drafter_drafts_for_the_requests_a_draining_batch_waits_for(tmp_path, monkeypatch):
+    """Four requests draft while the batch is full; once one finishes and none joins, the request with the most
+    tokens still to go gets the drafts and the ones nearly done none (each of their drafts would cost every
+    request a step's share and save only what their leaving early saves); a request that joins ends it."""
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    cost = table(40.0, 3.0)
+    drafter = cyclic_drafter(tmp_path, cost)
+    seqs = {f"r{i}": [CYCLE[(p + i) % len(CYCLE)] for p in range(4)] for i in range(4)}
+    new = {rid: seq[-1:] for rid, seq in seqs.items()}
+
+    def step(remaining):
+        ids = list(seqs)
+        rows = np.zeros((len(ids), max(len(q) for q in seqs.values())), dtype=np.int64)
+        for r, rid in enumerate(ids):
+            rows[r, :len(seqs[rid])] = seqs[rid]
+        out = drafter.step(ids, [new[r] for r in ids], [len(seqs[r]) for r in ids], rows,
+                           [remaining[r] for r in ids])
+        for rid, drafts in zip(ids, out):
+            seq = seqs[rid]
+            start = CYCLE.index(seq[-1]) + 1
+            new[rid] = [CYCLE[(start + j) % len(CYCLE)] for j in range(len(drafts) + 1)]
+            assert new[rid][:len(drafts)] == drafts
+            seq += new[rid]
+        clock.pass_ms(cost(len(ids), sum(map(len, out))))
+        return dict(zip(ids, map(len, out)))
+
+    remaining = {"r0": 100, "r1": 40, "r2": 40, "r3": 40, "r4": 60}
+    for _ in range(12):
+        got = step(remaining)
+    assert not drafter.draining and all(got.values())  # a full batch: every token counts the same
+    del seqs["r3"]  # finished, and nothing joins
+    got = step(remaining)
+    assert drafter.draining
+    assert got["r0"] > 0 and got["r1"] == got["r2"] == 0
+    seqs["r4"] = [CYCLE[p] for p in range(4)]  # a request joins: the batch is not draining
+    new["r4"] = seqs["r4"][-1:]
+    step(remaining)
+    assert not drafter.draining
+    assert all(step(remaining).values())
+
+
 def test_the_step_cost_follows_the_machine_as_it_runs_now(tmp_path, monkeypatch):
     """Calibrated with drafts nearly free; then every step takes twice as long and each draft token 30 ms more
     (a loaded machine where a wider step turned compute-bound): drafting stops, and comes back once the machine

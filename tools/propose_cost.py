@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -58,7 +59,8 @@ class EngineClock:
         return time.perf_counter() + self.engine_s
 
 
-def replay(drafter, pairs, batch: int, cost, clock: EngineClock) -> list[tuple[bool, float, int, int]]:
+def replay(drafter, pairs, batch: int, cost, clock: EngineClock, max_new: Optional[int] = None
+           ) -> list[tuple[bool, float, int, int]]:
     """Every prompt with `batch` in flight; per call: whether it looked up, its ms, the drafts it gave, the
     requests it was given."""
     waiting = list(range(len(pairs)))
@@ -76,7 +78,8 @@ def replay(drafter, pairs, batch: int, cost, clock: EngineClock) -> list[tuple[b
             rows[j, :len(running[r][0])] = running[r][0]
         before = drafter.stats["drafting_steps"]
         t0 = time.perf_counter()
-        out = drafter.step(ids, [running[r][3] for r in ids], [len(running[r][0]) for r in ids], rows)
+        remaining = None if max_new is None else [max_new - running[r][2] for r in ids]
+        out = drafter.step(ids, [running[r][3] for r in ids], [len(running[r][0]) for r in ids], rows, remaining)
         ms = (time.perf_counter() - t0) * 1e3
         given = sum(map(len, out))
         calls.append((drafter.stats["drafting_steps"] > before, ms, given, len(ids)))
@@ -101,7 +104,7 @@ class NeverDrafts:
 
     stats = {"drafting_steps": 0}
 
-    def step(self, ids, sampled, lengths, rows):
+    def step(self, ids, sampled, lengths, rows, remaining=None):
         return [[] for _ in ids]
 
 
@@ -130,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-cost", required=True, help="a step-cost file `rest-lab calibrate-vllm` wrote")
     ap.add_argument("--outputs", default=None, help="where the greedy outputs are kept (default: bench_out/)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-max-tokens", action="store_true",
+                    help="hand the drafter no request's remaining tokens (as an engine that does not say)")
     ap.add_argument("--engine-ms", type=float, nargs=2, default=None, metavar=("PLAIN", "PER_DRAFT"),
                     help="the simulated engine's step: PLAIN ms plus PER_DRAFT ms a draft token (default: the step "
                          "cost file's T(B, D))")
@@ -162,7 +167,7 @@ def main(argv=None) -> int:
         if profiler and r == args.rounds - 1:
             profiler.enable()
         engine_before = clock.engine_s
-        calls = replay(drafter, pairs, args.batch, cost, clock)
+        calls = replay(drafter, pairs, args.batch, cost, clock, None if args.no_max_tokens else args.max_new_tokens)
         if profiler and r == args.rounds - 1:
             profiler.disable()
         print(summary(calls, tokens, f"round {r + 1}, {args.suite}, batch {args.batch}"))

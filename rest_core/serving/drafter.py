@@ -16,7 +16,9 @@ verified next.  It uses the decoder's own parts, not copies of them:
     plan     (serving.load)         how many tokens of each chain the batch can afford, from the step cost and
                                     propose()'s own time, both measured live (serving.live); none at a batch
                                     size where the steps that verified drafts gave fewer tokens per ms than
-                                    those that did not (serving.live.RealizedRates)
+                                    those that did not (serving.live.RealizedRates); while the batch drains
+                                    (it shrank and no request joined), for the requests it waits for, those
+                                    with the most tokens still to go (serving.load.wave_worth)
 
 A request's state lives exactly while the request is in the running batch: a request that finishes, is preempted
 or is left out of a step is forgotten (its output joins the history once), and one that comes back is rebuilt
@@ -37,7 +39,14 @@ from datastores import HistoryStore, RecycleStore, RequestStore, Store
 from rest_core.cost import CostModel
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
 from rest_core.serving.live import LiveStepCost, ProposeTime, RealizedRates, RecentChains
-from rest_core.serving.load import AcceptanceProfile, ChanceCalibration, StepCost, plan_drafts, worth_drafting
+from rest_core.serving.load import (
+    AcceptanceProfile,
+    ChanceCalibration,
+    StepCost,
+    plan_drafts,
+    wave_worth,
+    worth_drafting,
+)
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
 
 TREE_NODES = 63  # candidate nodes a request's draft tree keeps before its best chain is taken
@@ -137,6 +146,8 @@ class RestDrafter:
                       # the requests and drafts the drafter knows of (nothing taught)
                       "predicted_steps": 0, "predicted_skipped": 0}
         self.report = None  # a serving.config.ProposeLog, where one is asked for: told of every step's stats
+        self._running: set = set()  # the requests of the last step
+        self.draining = False  # the batch has shrunk since a request last joined (`_watch_joining`)
 
     # -- the requests ------------------------------------------------------------------------------------------
     def _forget_absent(self, running: set) -> None:
@@ -245,13 +256,16 @@ class RestDrafter:
 
     # -- one engine step ---------------------------------------------------------------------------------------
     def step(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
-             tokens: np.ndarray) -> list[list[int]]:
+             tokens: np.ndarray, remaining: Optional[Sequence[int]] = None) -> list[list[int]]:
         """Draft tokens for each running request (row i: req_ids[i], the tokens sampled[i] this step gave it,
         tokens[i, :lengths[i]] its prompt + output so far); a request still reading its prompt gets none.
+        remaining[i]: the most tokens request i may still produce, where the engine says (its max_tokens): while
+        the batch drains they tell which requests it waits for (`_worth`).
         The engine's step since the last call and this call's own time are measured on the way."""
         start = self.clock()
         self._time_engine(start, req_ids, sampled)
-        out, drafting = self._draft(req_ids, sampled, lengths, tokens)
+        self._watch_joining(req_ids)
+        out, drafting = self._draft(req_ids, sampled, lengths, tokens, remaining)
         end = self.clock()
         ms = (end - start) * 1e3
         self.propose_time.add(drafting, len(req_ids), ms)
@@ -276,8 +290,26 @@ class RestDrafter:
             self.stats["engine_ms"] += engine_ms
             self.stats["timed_steps"] += 1
 
+    def _watch_joining(self, req_ids: Sequence[str]) -> None:
+        """Whether the batch is draining: it has shrunk since a request last joined it (a server with requests
+        waiting replaces a finished one at once, and so does the benchmark's sustained load)."""
+        running = set(req_ids)
+        if running - self._running:
+            self.draining = False
+        elif len(running) < len(self._running):
+            self.draining = True
+        self._running = running
+
+    def _worth(self, rows: list, remaining: Optional[Sequence[int]], batch: int
+               ) -> tuple[Optional[list[float]], Optional[float]]:
+        """What each drafting request's accepted tokens are worth to the plan (serving.load.wave_worth) while the
+        batch drains and the engine says how many tokens each may still produce; else None (a token is a token)."""
+        if not self.draining or remaining is None or len(rows) < 2:
+            return None, None
+        return wave_worth([int(remaining[i]) for i, _ in rows], self.cost, batch, tied=self.max_drafts)
+
     def _draft(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
-               tokens: np.ndarray) -> tuple[list[list[int]], bool]:
+               tokens: np.ndarray, remaining: Optional[Sequence[int]] = None) -> tuple[list[list[int]], bool]:
         """The step's drafts, and whether the stores were looked up for them."""
         self.stats["steps"] += 1
         self._teach(req_ids, sampled, lengths, tokens)
@@ -302,7 +334,9 @@ class RestDrafter:
             raw.append(chance)
             chances.append(self.calibration[state.kind].apply(chance))
             self.recent.add(chances[-1])
-        counts = plan_drafts(chances, self.cost, batch=batch, base_ms=base_ms)  # the lookups are made: not counted
+        worth, base = self._worth(rows, remaining, batch)
+        counts = plan_drafts(chances, self.cost, batch=batch, base_ms=base_ms,  # the lookups are made: not counted
+                             worth=worth, base=base)
         if self.cost.probe(batch):  # the newest steps cannot tell what a draft costs: this one drafts half
             counts = [k // 2 for k in counts]
         for (i, state), chain, chance, k in zip(rows, chains, raw, counts):

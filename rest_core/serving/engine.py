@@ -59,6 +59,16 @@ def running_request_ids(runner: Any, rows: int) -> list[str]:
     return list(runner.input_batch.req_ids[:rows])
 
 
+def remaining_tokens(runner: Any, req_ids: list[str]) -> Optional[list[int]]:
+    """The most tokens each request may still produce (its max_tokens less its output so far), as the runner's
+    request states say; None where they do not say (no limit, or another runner)."""
+    try:
+        states = [runner.requests[rid] for rid in req_ids]
+        return [max(int(r.sampling_params.max_tokens) - len(r.output_token_ids), 0) for r in states]
+    except (AttributeError, KeyError, TypeError, ReferenceError):
+        return None
+
+
 def engine_settings(vllm_config: Any) -> dict:
     """The engine's settings that a step's cost depends on, as the calibration's options name them."""
     model = vllm_config.model_config

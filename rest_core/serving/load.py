@@ -131,18 +131,25 @@ def save_curve(key: str, cost: StepCost, about: dict) -> Path:
 
 
 def plan_drafts(chances: Sequence[Sequence[float]], cost, batch: Optional[int] = None,
-                overhead_ms: float = 0.0, base_ms: float = 0.0) -> list[int]:
-    """Draft tokens per request (a prefix of each request's chain) that maximise the step's tokens per ms.
+                overhead_ms: float = 0.0, base_ms: float = 0.0, worth: Optional[Sequence[float]] = None,
+                base: Optional[float] = None) -> list[int]:
+    """Draft tokens per request (a prefix of each request's chain) that maximise the step's tokens per ms
+    (or what `worth` says a request's tokens are worth: see wave_worth).
 
     chances[i][j]: the chance that request i's first j + 1 drafts are all accepted (non-increasing in j);
     cost: the step cost (a StepCost or live.LiveStepCost: anything with `row(batch, drafts)`);
     batch: requests in the step (default: len(chances); requests with nothing to draft count too);
     overhead_ms: time a step that drafts anything spends on it and a plain step does not (propose()'s drafting:
     the lookups, when the question is whether to make them at all); base_ms: time every step spends beside the
-    engine's (propose() following the requests)."""
+    engine's (propose() following the requests); worth: per request, what one of its accepted tokens is worth
+    against a token of the step's own (default: 1 each); base: what the step's own tokens are worth (default:
+    `batch`, one a request)."""
     batch = len(chances) if batch is None else batch
+    base = float(batch) if base is None else base
     counts = [0] * len(chances)
     table = _table(chances)
+    if worth is not None:
+        table = table * np.asarray(worth, dtype=float)[:, None]
     flat = table.ravel()
     # best first; ties: the earlier request, then the shallower draft (each chain stays a prefix)
     order = np.argsort(-flat, kind="stable")
@@ -150,11 +157,26 @@ def plan_drafts(chances: Sequence[Sequence[float]], cost, batch: Optional[int] =
     if not order.size:
         return counts
     times = cost.row(batch, order.size) + base_ms  # a step with 0, 1, ... of the best drafts
-    rates = (batch + np.cumsum(flat[order])) / (times[1:] + overhead_ms)
+    rates = (base + np.cumsum(flat[order])) / (times[1:] + overhead_ms)
     best = int(np.argmax(rates))  # the first of equal rates: fewer drafts
-    if rates[best] <= batch / times[0]:
+    if rates[best] <= base / times[0]:
         return counts
     return np.bincount(order[:best + 1] // table.shape[1], minlength=len(chances)).tolist()
+
+
+def wave_worth(remaining: Sequence[int], cost, batch: int, tied: int) -> tuple[list[float], float]:
+    """What a request's accepted token is worth while the batch drains (requests finish and none join): the
+    batch is done when its last request is, so a token is worth a step to the requests that may end last (those
+    with the most tokens still to go, within `tied` of the most), and to the others only what their leaving
+    earlier saves the steps after it (a step over one request fewer).  Worth per request, in tokens of the
+    critical requests, and the worth of the step's own tokens (one for each critical request)."""
+    top = max(remaining)
+    critical = [r >= top - tied for r in remaining]
+    n = sum(critical)
+    full = cost(batch, 0)
+    saved = max(full - cost(batch - 1, 0), 0.0) if batch > 1 else 0.0
+    other = n * saved / full
+    return [1.0 if c else other for c in critical], float(n)
 
 
 def _table(chains: Sequence[Sequence[float]]) -> np.ndarray:
