@@ -313,7 +313,7 @@ def test_the_command_line_knows_the_verify_suite_and_the_side_by_side_switch():
     from rest_core.cli import _parser
 
     args = _parser().parse_args(["bench", "--suite", "verify", "--kernels-ab", "--repeats", "2"])
-    assert args.suite == "verify" and args.kernels_ab and args.repeats == 2
+    assert args.suite == ["verify"] and args.kernels_ab and args.repeats == 2
     with pytest.raises(ValueError, match="not available"):  # a variant of an unknown method is refused
         run_benchmark(make_tiny_lm(layers=1), [BenchPrompt("p", "p", (1, 2))], DecodeConfig(max_new_tokens=2),
                       ["rest_nothing@default"], None, None, progress=False)

@@ -671,7 +671,7 @@ def test_the_benchmark_serves_the_dtype_it_is_given_and_keeps_float32_by_default
     assert seen == ["float32", "bfloat16"]
 
 
-def test_bench_with_the_vllm_engine_passes_its_settings_on_to_the_vllm_benchmark(monkeypatch):
+def test_bench_with_the_vllm_engine_passes_its_settings_on_to_the_vllm_benchmark(monkeypatch, capsys):
     from rest_core.cli import main as cli_main
     from rest_core.serving import launch
 
@@ -690,6 +690,31 @@ def test_bench_with_the_vllm_engine_passes_its_settings_on_to_the_vllm_benchmark
         assert any(argv[i:i + len(pair)] == pair for i in range(len(argv))), pair
     main(["--engine", "vllm", "--suite", "chat"])
     assert "--dtype" not in calls[1][1]  # not given: the vLLM benchmark's own default (float32)
+    main(["--engine", "vllm", "--suite", "humaneval", "chat"])  # both suites, as the docs' commands give them
+    main(["--engine", "vllm"])  # the default: both
+    assert calls[2][1][2:5] == calls[3][1][2:5] == ["--suite", "humaneval", "chat"]
+    assert main(["--engine", "vllm", "--suite", "retrieval"]) == 2
+    assert "runs the humaneval and chat suites" in capsys.readouterr().err
+    assert main(["--suite", "humaneval", "chat"]) == 2  # REST Lab's own loop: one suite a run
+    assert "one suite with REST Lab's own loop" in capsys.readouterr().err
+    assert len(calls) == 4
+
+
+def test_the_vllm_benchmark_measures_the_step_cost_first_where_rest_runs_and_none_was_measured(monkeypatch):
+    from rest_core.bench import vllm_bench
+    from rest_core.serving import calibrate, launch
+
+    measured, tables = [], []
+    monkeypatch.setattr(calibrate, "calibrate", lambda model, **engine: measured.append((model, engine)))
+    monkeypatch.setattr(launch, "has_curve", lambda model, settings: tables.append(settings) or bool(tables[1:]))
+    engine = {**vllm_bench.ENGINE, "dtype": "bfloat16"}
+    vllm_bench.ensure_step_cost("/models/m", ["plain", "ngram", "empty"], engine)  # no REST: nothing to measure
+    assert measured == [] and tables == []
+    vllm_bench.ensure_step_cost("/models/m", ["plain", "rest@16"], engine)  # none measured yet: measured now
+    assert measured == [("/models/m", {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True})]
+    assert tables[0]["dtype"] == "bfloat16" and tables[0]["tensor_parallel_size"] == 1
+    vllm_bench.ensure_step_cost("/models/m", ["rest_stores"], engine)  # measured before: not again
+    assert len(measured) == 1 and len(tables) == 2
 
 
 def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():

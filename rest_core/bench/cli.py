@@ -39,9 +39,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p = subparsers.add_parser("bench", help="benchmark REST against plain decoding and HF generate()",
                               description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("benchmark")
-    g.add_argument("--suite", default=None, choices=[*SUITES, "retrieval", "verify"],
+    g.add_argument("--suite", default=None, nargs="+", choices=[*SUITES, "retrieval", "verify"],
                    help="humaneval (164 completion prompts), chat (instruction prompts, chat template), retrieval, "
-                        "or verify (the cost of one forward pass over q tokens, tuned vs default kernels)")
+                        "or verify (the cost of one forward pass over q tokens, tuned vs default kernels); with "
+                        "--engine vllm one or both of humaneval and chat (default both)")
     g.add_argument("--retrieval", action="store_true", help="the store lookup micro-benchmark (= --suite retrieval)")
     g.add_argument("--limit", type=int, default=None, help="first N prompts only")
     g.add_argument("--engine", default="rest", choices=("rest", "vllm"),
@@ -85,7 +86,10 @@ def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed `bench` arguments describe; print results.md; return the exit status."""
     if args.engine == "vllm":
         return _run_vllm(args)
-    suite = "retrieval" if args.retrieval else args.suite
+    if args.suite is not None and len(args.suite) > 1:
+        raise ValueError(f"--suite takes one suite with REST Lab's own loop, got {' '.join(args.suite)}: run one "
+                         "command per suite (--engine vllm takes humaneval and chat together).")
+    suite = "retrieval" if args.retrieval else (args.suite[0] if args.suite else None)
     if suite is None:
         raise ValueError("Choose a suite: --suite humaneval, chat or retrieval.")
     out = Path(args.out or Path("bench_out") / f"{suite}-{_dt.datetime.now():%Y%m%d-%H%M%S}")
@@ -153,7 +157,10 @@ def _run_vllm(args: argparse.Namespace) -> int:
     """The vLLM benchmark (rest_core.bench.vllm_bench) in the vLLM environment, on the suite(s) asked for."""
     from rest_core.serving.launch import run_module, served_model
 
-    argv = ["--model", served_model(args.model), "--suite", *([args.suite] if args.suite else ["humaneval", "chat"]),
+    suites = args.suite or ["humaneval", "chat"]
+    if set(suites) - {"humaneval", "chat"}:
+        raise ValueError(f"--engine vllm runs the humaneval and chat suites, not {' '.join(suites)}.")
+    argv = ["--model", served_model(args.model), "--suite", *suites,
             "--limit", str(args.limit or 16), "--batches", *map(str, args.batches),
             "--max-new-tokens", str(args.max_new_tokens), "--rounds", str(args.repeats)]
     if args.vllm_methods:

@@ -70,6 +70,21 @@ def speculative_config(method: str, k: int):
     raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
 
 
+def ensure_step_cost(model: str, methods, engine: dict) -> None:
+    """REST's proposer plans with the step cost measured on this machine for these engine settings, and refuses to
+    start without one: measure it first where a REST method is to run and none was (as `rest-lab serve` does)."""
+    if not any(method_spec(m)[0] in ("rest", "rest_stores") for m in methods):
+        return
+    from rest_core.serving.calibrate import calibrate
+    from rest_core.serving.launch import has_curve
+
+    settings = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, **engine}
+    if not has_curve(model, settings):
+        print("Measuring vLLM's step cost on this machine for REST's proposer (once per model, engine settings and "
+              "machine)...", flush=True)
+        calibrate(model, **{k: engine[k] for k in ("dtype", "max_model_len", "enforce_eager")})
+
+
 def counters(llm) -> dict[str, float]:
     found = {name: 0.0 for name in COUNTERS}
     for metric in llm.get_metrics():
@@ -257,6 +272,7 @@ def main(argv=None) -> int:
     result = {"command": "python -m rest_core bench --engine vllm " + " ".join(argv or sys.argv[1:]),
               "machine": machine(), "settings": {**vars(args), "engine": engine}, "rounds": []}
     rounds = rounds_per_batch(args.batches, args.rounds, args.rounds_at)
+    ensure_step_cost(model, args.methods, engine)
     for r in range(max(rounds.values())):
         order = args.methods if r % 2 == 0 else args.methods[::-1]
         result["rounds"].append({m: {"runs": {}} for m in order})
