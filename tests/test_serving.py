@@ -681,6 +681,7 @@ def test_bench_with_the_vllm_engine_passes_its_settings_on_to_the_vllm_benchmark
     calls = []
     monkeypatch.setattr(launch, "run_module", lambda module, argv: calls.append((module, list(argv))) or 0)
     monkeypatch.setattr(launch, "served_model", lambda model: "/models/m")
+    monkeypatch.setattr(launch, "has_curve", lambda model, settings: True)  # the step cost was measured
     assert main(["--engine", "vllm", "--suite", "chat", "--limit", "8", "--batches", "1", "16",
                  "--vllm-methods", "plain", "rest", "--dtype", "bfloat16"]) == 0
     module, argv = calls[0]
@@ -701,20 +702,40 @@ def test_bench_with_the_vllm_engine_passes_its_settings_on_to_the_vllm_benchmark
 
 
 def test_the_vllm_benchmark_measures_the_step_cost_first_where_rest_runs_and_none_was_measured(monkeypatch):
-    from rest_core.bench import vllm_bench
-    from rest_core.serving import calibrate, launch
+    from rest_core.cli import main as cli_main
+    from rest_core.serving import launch
 
-    measured, tables = [], []
-    monkeypatch.setattr(calibrate, "calibrate", lambda model, **engine: measured.append((model, engine)))
-    monkeypatch.setattr(launch, "has_curve", lambda model, settings: tables.append(settings) or bool(tables[1:]))
-    engine = {**vllm_bench.ENGINE, "dtype": "bfloat16"}
-    vllm_bench.ensure_step_cost("/models/m", ["plain", "ngram", "empty"], engine)  # no REST: nothing to measure
+    measured, tables, ran = [], [], []
+    curves = set()  # (model, dtype) a table was measured for
+
+    def run_module(module, argv):
+        if module == "rest_core.serving.calibrate":
+            measured.append(list(argv))
+            curves.add((argv[0], argv[argv.index("--dtype") + 1]))
+        else:
+            ran.append(module)
+        return 0
+
+    def has_curve(model, settings):
+        tables.append(settings)
+        return (model, settings["dtype"]) in curves
+
+    monkeypatch.setattr(launch, "run_module", run_module)
+    monkeypatch.setattr(launch, "has_curve", has_curve)
+    monkeypatch.setattr(launch, "served_model", lambda model: "/models/m")
+
+    def bench(*methods):
+        return cli_main(["bench", "--engine", "vllm", "--dtype", "bfloat16", "--vllm-methods", *methods])
+
+    assert bench("plain", "ngram", "empty") == 0  # no REST: nothing to measure
     assert measured == [] and tables == []
-    vllm_bench.ensure_step_cost("/models/m", ["plain", "rest@16"], engine)  # none measured yet: measured now
-    assert measured == [("/models/m", {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True})]
+    assert bench("plain", "rest@16") == 0  # none measured yet: measured now, before the benchmark runs
+    assert measured == [["/models/m", "--dtype", "bfloat16", "--tensor-parallel-size", "1",
+                         "--pipeline-parallel-size", "1", "--max-model-len", "2048"]]  # eager: no --no-enforce-eager
     assert tables[0]["dtype"] == "bfloat16" and tables[0]["tensor_parallel_size"] == 1
-    vllm_bench.ensure_step_cost("/models/m", ["rest_stores"], engine)  # measured before: not again
+    assert bench("rest_stores") == 0  # measured before: not again
     assert len(measured) == 1 and len(tables) == 2
+    assert ran == ["rest_core.bench.vllm_bench"] * 3
 
 
 def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():

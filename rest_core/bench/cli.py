@@ -154,13 +154,20 @@ def _run_retrieval(args: argparse.Namespace, out: Path) -> int:
 
 
 def _run_vllm(args: argparse.Namespace) -> int:
-    """The vLLM benchmark (rest_core.bench.vllm_bench) in the vLLM environment, on the suite(s) asked for."""
-    from rest_core.serving.launch import run_module, served_model
+    """The vLLM benchmark (rest_core.bench.vllm_bench) in the vLLM environment, on the suite(s) asked for; the step
+    cost REST's proposer plans with measured first where none was."""
+    from rest_core.bench.vllm_bench import DEFAULT_METHODS, ENGINE, engine_settings, starts_rest
+    from rest_core.serving.launch import ensure_step_cost, run_module, served_model
 
     suites = args.suite or ["humaneval", "chat"]
     if set(suites) - {"humaneval", "chat"}:
         raise ValueError(f"--engine vllm runs the humaneval and chat suites, not {' '.join(suites)}.")
-    argv = ["--model", served_model(args.model), "--suite", *suites,
+    model = served_model(args.model)
+    if starts_rest(args.vllm_methods or DEFAULT_METHODS):
+        status = ensure_step_cost(model, engine_settings(args.dtype or ENGINE["dtype"]))
+        if status:
+            return status
+    argv = ["--model", model, "--suite", *suites,
             "--limit", str(args.limit or 16), "--batches", *map(str, args.batches),
             "--max-new-tokens", str(args.max_new_tokens), "--rounds", str(args.repeats)]
     if args.vllm_methods:

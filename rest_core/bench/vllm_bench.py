@@ -70,19 +70,15 @@ def speculative_config(method: str, k: int):
     raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
 
 
-def ensure_step_cost(model: str, methods, engine: dict) -> None:
-    """REST's proposer plans with the step cost measured on this machine for these engine settings, and refuses to
-    start without one: measure it first where a REST method is to run and none was (as `rest-lab serve` does)."""
-    if not any(method_spec(m)[0] in ("rest", "rest_stores") for m in methods):
-        return
-    from rest_core.serving.calibrate import calibrate
-    from rest_core.serving.launch import has_curve
+def starts_rest(methods) -> bool:
+    """Whether these methods start REST's proposer, which plans with the step cost measured for the engine."""
+    return any(method_spec(m)[0] in ("rest", "rest_stores") for m in methods)
 
-    settings = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, **engine}
-    if not has_curve(model, settings):
-        print("Measuring vLLM's step cost on this machine for REST's proposer (once per model, engine settings and "
-              "machine)...", flush=True)
-        calibrate(model, **{k: engine[k] for k in ("dtype", "max_model_len", "enforce_eager")})
+
+def engine_settings(dtype: str) -> dict:
+    """The benchmark's engines (ENGINE, served in `dtype`) as the settings a step-cost table is measured for."""
+    return {"dtype": dtype, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+            "max_model_len": ENGINE["max_model_len"], "enforce_eager": ENGINE["enforce_eager"]}
 
 
 def counters(llm) -> dict[str, float]:
@@ -272,7 +268,6 @@ def main(argv=None) -> int:
     result = {"command": "python -m rest_core bench --engine vllm " + " ".join(argv or sys.argv[1:]),
               "machine": machine(), "settings": {**vars(args), "engine": engine}, "rounds": []}
     rounds = rounds_per_batch(args.batches, args.rounds, args.rounds_at)
-    ensure_step_cost(model, args.methods, engine)
     for r in range(max(rounds.values())):
         order = args.methods if r % 2 == 0 else args.methods[::-1]
         result["rounds"].append({m: {"runs": {}} for m in order})

