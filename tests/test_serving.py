@@ -307,15 +307,21 @@ def test_chat_requests_are_told_apart_by_the_template_s_marker(tmp_path):
     assert drafter.requests["c"].kind == "chat" and drafter.requests["t"].kind == "text"
 
 
-def test_every_vllm_run_gets_a_kv_cache_limit_and_intel_openmp(tmp_path, monkeypatch):
+def test_every_vllm_run_gets_a_kv_cache_limit_every_core_and_intel_openmp(tmp_path, monkeypatch):
     from rest_core.serving.launch import vllm_env
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     python = tmp_path / "venv" / "bin" / "python"
     (tmp_path / "venv" / "lib").mkdir(parents=True)
     env = vllm_env(python)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and "LD_PRELOAD" not in env  # no runtime there: nothing preloaded
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"  # the model runs on every core
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    env = vllm_env(python)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "8"  # the user's own kept
     (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
     assert vllm_env(python)["LD_PRELOAD"].endswith("libiomp5.so")
     monkeypatch.setenv("REST_LAB_IOMP", "0")
@@ -641,6 +647,10 @@ def test_the_report_names_the_gpu_a_run_measured_and_the_cpu_settings_only_witho
 
     cpu = vllm_markdown(bench_result({"plain": [100.0]}))
     assert "Machine: CPU (family/model 25/17, avx2), 2 cores" in cpu and "VLLM_CPU_KVCACHE_SPACE=2 GB" in cpu
+    assert "RESERVED" not in cpu  # a run that did not record it says nothing of it
+    result = bench_result({"plain": [100.0]})
+    result["machine"].update(reserved_cpus="0")
+    assert "VLLM_CPU_KVCACHE_SPACE=2 GB; VLLM_CPU_NUM_OF_RESERVED_CPU=0" in vllm_markdown(result)
     result = bench_result({"plain": [100.0]})
     result["machine"].update(gpu="NVIDIA H100 80GB HBM3", torch="2.11.0+cu130", kv_cache_gb=None)
     gpu = vllm_markdown(result)
@@ -969,6 +979,31 @@ def test_realized_rates_switch_drafting_off_where_its_steps_give_fewer_tokens_pe
     assert len(rates._steps[(16, False)]) == 32
 
 
+def test_realized_rates_judge_a_draining_batch_by_its_steps_at_nearby_sizes_each_in_plain_steps_of_its_own():
+    from rest_core.serving.live import REALIZED_MIN, RealizedRates, batch_group
+
+    assert [batch_group(b) for b in (1, 2, 3, 4, 7, 8, 15, 16, 31, 40)] == [1, 2, 2, 4, 4, 8, 8, 16, 16, 32]
+
+    def plain_ms(batch):
+        return 20.0 + 2.0 * batch  # a plain step over `batch` requests
+
+    rates = RealizedRates()
+    # a batch draining from 15 requests to 8, one step at each size of each kind: no size has enough steps alone,
+    # and the plain steps ran at larger sizes than the drafting ones (more tokens per ms, not better)
+    for batch in range(15, 7, -1):
+        rates.observe(batch, 0, batch, plain_ms(batch), plain_ms(batch))
+        # drafts: 10% more tokens for 30% more time -- a loss at every size
+        rates.observe(batch - 1 if batch > 8 else 8, 8, round(1.1 * batch), 1.3 * plain_ms(batch), plain_ms(batch))
+    assert len(rates._steps[(8, False)]) == len(rates._steps[(8, True)]) == REALIZED_MIN
+    assert rates.losing(9) and rates.losing(15) and not rates.losing(16)
+    assert rates.rate(12, False) == pytest.approx(1.0)  # a plain step: a token per request in a plain step's time
+    gaining = RealizedRates()
+    for batch in range(15, 7, -1):
+        gaining.observe(batch, 0, batch, plain_ms(batch), plain_ms(batch))
+        gaining.observe(batch, 8, round(1.5 * batch), 1.3 * plain_ms(batch), plain_ms(batch))  # 50% more tokens
+    assert not gaining.losing(12)
+
+
 def test_realized_rates_weigh_the_steps_together_not_the_median_step():
     from rest_core.serving.live import REALIZED_MIN, RealizedRates
 
@@ -996,7 +1031,7 @@ def test_the_drafter_weighs_each_step_with_the_propose_call_that_prepared_it(tmp
     delay = slow_lookups(drafter, clock, monkeypatch)
     delay["ms"] = 2.0  # each request's lookup: 2 ms of propose() (4 requests: 8 ms a drafting call)
     given = serve(drafter, clock, lambda b, d: 50.0 + 0.5 * d, steps=12)
-    drafted = [tokens / ms for _, tokens, ms in drafter.realized._steps[(4, True)]]
+    drafted = [tokens / ms for _, tokens, ms, *_ in drafter.realized._steps[(4, True)]]
     # a step that verified g drafts (all accepted, and one more token for each of the 4 requests): 4 + g tokens
     # in the engine's 50 + 0.5 g ms plus the 8 ms of the propose() call that looked them up
     assert drafted == pytest.approx([(4 + g) / (58.0 + 0.5 * g) for g in given[:-1] if g])

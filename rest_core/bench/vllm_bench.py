@@ -204,7 +204,10 @@ def machine() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {**cpu_info(), "cores": os.cpu_count(), "python": platform.python_version(), "vllm": vllm.__version__,
             "torch": torch.__version__, "gpu": gpu, "commit": commit, "ld_preload": os.environ.get("LD_PRELOAD", ""),
-            "kv_cache_gb": None if gpu else os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+            "kv_cache_gb": None if gpu else os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            # cores vLLM's CPU backend keeps off the model (unset: one per worker) and how it binds its threads
+            "reserved_cpus": None if gpu else os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
+            "omp_bind": None if gpu else os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
 
 
 def suite_prompts(suite: str, tokenizer, limit: int) -> list:
@@ -287,5 +290,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from rest_core.serving.launch import set_vllm_defaults
+
+    set_vllm_defaults()
     sys.exit(main())

@@ -53,7 +53,10 @@ def machine_line(m: dict) -> str:
            f"commit {m['commit']}; Python {m['python']}")
     if m.get("gpu"):
         return f"{m['gpu']} (torch {m.get('torch', '?')}) on {cpu}"
-    return f"{cpu}; LD_PRELOAD={m['ld_preload'] or '-'}; VLLM_CPU_KVCACHE_SPACE={m['kv_cache_gb']} GB"
+    cores = "".join(f"; {name}={m[key]}" for key, name in (("reserved_cpus", "VLLM_CPU_NUM_OF_RESERVED_CPU"),
+                                                             ("omp_bind", "VLLM_CPU_OMP_THREADS_BIND"))
+                    if m.get(key) is not None)
+    return f"{cpu}; LD_PRELOAD={m['ld_preload'] or '-'}; VLLM_CPU_KVCACHE_SPACE={m['kv_cache_gb']} GB{cores}"
 
 
 def vllm_markdown(result: dict) -> str:

@@ -124,5 +124,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from rest_core.serving.launch import set_vllm_defaults
+
+    set_vllm_defaults()
     sys.exit(main())

@@ -14,9 +14,10 @@ verified next.  It uses the decoder's own parts, not copies of them:
     chain                           an engine that verifies chains takes the tree's best path (the likeliest
                                     child at every depth)
     plan     (serving.load)         how many tokens of each chain the batch can afford, from the step cost and
-                                    propose()'s own time, both measured live (serving.live); none at a batch
-                                    size where the steps that verified drafts gave fewer tokens per ms than
-                                    those that did not (serving.live.RealizedRates); while the batch drains
+                                    propose()'s own time, both measured live (serving.live); none at batch
+                                    sizes where the steps that verified drafts gave fewer tokens per request
+                                    and plain step's time than those that did not (serving.live.RealizedRates,
+                                    nearby sizes weighed together); while the batch drains
                                     (it shrank and no request joined), for the requests it waits for, those
                                     with the most tokens still to go (serving.load.wave_worth)
 
@@ -134,7 +135,7 @@ class RestDrafter:
         self.profile = AcceptanceProfile(depth=max(1, max_drafts))
         self.calibration = {kind: ChanceCalibration(depth=max(1, max_drafts)) for kind in choosers}
         self.recent = RecentChains()  # what the newest lookups found
-        self.realized = RealizedRates()  # what drafting really brought, per batch size
+        self.realized = RealizedRates()  # what drafting really brought, per group of batch sizes
         # when step() last returned, the drafts it gave, and its own time (ms)
         self._last: Optional[tuple[float, dict[str, int], float]] = None
         # drafted / accepted: drafts verified and kept; expected: the plan's chances of those drafts, summed
@@ -286,7 +287,8 @@ class RestDrafter:
         if all(len(s) for s in sampled) and all(rid in given for rid in req_ids):
             drafts, engine_ms = sum(given[rid] for rid in req_ids), (now - end) * 1e3
             self.cost.observe(len(req_ids), drafts, engine_ms)
-            self.realized.observe(len(req_ids), drafts, sum(map(len, sampled)), engine_ms + propose_ms)
+            self.realized.observe(len(req_ids), drafts, sum(map(len, sampled)), engine_ms + propose_ms,
+                                  plain_ms=self.cost(len(req_ids), 0))
             self.stats["engine_ms"] += engine_ms
             self.stats["timed_steps"] += 1
 

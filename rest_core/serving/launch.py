@@ -2,9 +2,12 @@
 
 vLLM lives in its own environment (.venv-vllm at the checkout's root, made by `scripts/setup.sh --vllm`; or the
 Python named by REST_LAB_VLLM_PYTHON), so these commands start that environment's Python with the settings every
-vLLM run of REST Lab gets: VLLM_CPU_KVCACHE_SPACE (2 GB unless set: without it a CPU worker grew to most of a
-24 GB machine) and, where the environment has it and LD_PRELOAD is not set, Intel's OpenMP runtime preloaded
-(vLLM's CPU backend asks for it; REST_LAB_IOMP=0 leaves it out).
+vLLM run of REST Lab gets (VLLM_DEFAULTS, each unless set): VLLM_CPU_KVCACHE_SPACE=2 (GB: without it a CPU worker
+grew to most of a 24 GB machine); VLLM_CPU_NUM_OF_RESERVED_CPU=0 (vLLM's CPU backend otherwise keeps one core per
+worker off the model for its scheduler and front-end processes: half of a 2-core machine, where the model then
+ran 1.25x slower at batch 1 and 1.5x at batch 16, docs/bench/vllm-zen5-cores.md; on a large machine one core is
+a small share either way); and, where the environment has it and LD_PRELOAD is not set, Intel's OpenMP runtime
+preloaded (vLLM's CPU backend asks for it; REST_LAB_IOMP=0 leaves it out).
 """
 from __future__ import annotations
 
@@ -17,7 +20,14 @@ from datastores.common import DatastoreError
 from rest_base.files import safe_file_name
 
 ROOT = Path(__file__).resolve().parents[2]
-KV_CACHE_GB = "2"
+# the environment every vLLM run of REST Lab starts with, where not set (see the module's docstring)
+VLLM_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def set_vllm_defaults() -> None:
+    """VLLM_DEFAULTS in this process's environment, where not set (a vLLM entry point started directly)."""
+    for name, value in VLLM_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 def vllm_python() -> Path:
@@ -32,7 +42,8 @@ def vllm_python() -> Path:
 def vllm_env(python: Path) -> dict[str, str]:
     """The environment a vLLM run starts with (see the module docstring)."""
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GB)
+    for name, value in VLLM_DEFAULTS.items():
+        env.setdefault(name, value)
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     if iomp.is_file() and not env.get("LD_PRELOAD") and env.get("REST_LAB_IOMP", "1") != "0":
         env["LD_PRELOAD"] = str(iomp)

@@ -192,6 +192,13 @@ class RecentChains:
         return known + [prior] * max(0, MIN_CHAINS - len(known))
 
 
+def batch_group(batch: int) -> int:
+    """The batch sizes whose steps RealizedRates weighs together: 1, 2-3, 4-7, 8-15, 16-31, ... (the largest power
+    of two not above it).  A batch that drains passes through each size for a few steps only, too few to tell
+    anything by themselves."""
+    return 1 << (max(int(batch), 1).bit_length() - 1)
+
+
 class RealizedRates:
     """What drafting really brought at each batch size: the tokens per millisecond of the steps that verified
     drafts and of the steps that did not (the engine's time plus the propose() call that prepared the step),
@@ -202,35 +209,44 @@ class RealizedRates:
     before it can be switched off again), and a batch size that sees too few steps of either kind is left to
     the plan.
 
+    Steps of nearby batch sizes are weighed together (`batch_group`): each step's tokens per request against its
+    time in plain steps of its own batch size (`plain_ms`, the step cost's: where no cost is given, 1), so that
+    a step over 9 requests and one over 15 count alike, and a batch that drains from 16 requests to 1 -- each
+    size for a few steps -- is judged all the same.
+
     A kind's rate is its steps' tokens over their time, summed (throughput), not the median of each step's own
     rate: at batch 1 most drafting steps may keep none of their drafts and a few keep eight, and the median step
     then reads as a loss while the steps together gave twice the tokens per ms.  Each step's time is capped at
     STALL_CAP times its kind's median, so one step stalled by another program does not decide."""
 
     def __init__(self):
-        self._steps: dict[tuple[int, bool], deque] = {}  # (batch, drafted) -> (step, tokens, ms)
+        # (batch group, drafted) -> (step, tokens, ms, batch, plain_ms)
+        self._steps: dict[tuple[int, bool], deque] = {}
         self._step = 0
 
-    def observe(self, batch: int, drafts: int, tokens: int, ms: float) -> None:
-        """One step over `batch` requests that verified `drafts` drafts in all, gave `tokens` and took `ms`."""
-        if batch < 1 or tokens < 1 or not ms > 0:
+    def observe(self, batch: int, drafts: int, tokens: int, ms: float, plain_ms: float = 1.0) -> None:
+        """One step over `batch` requests that verified `drafts` drafts in all, gave `tokens` and took `ms`; a
+        plain step over `batch` requests takes about `plain_ms` (the unit its time is counted in)."""
+        if batch < 1 or tokens < 1 or not ms > 0 or not plain_ms > 0:
             return
         self._step += 1
-        key = (batch, drafts > 0)
-        self._steps.setdefault(key, deque(maxlen=REALIZED_STEPS)).append((self._step, tokens, ms))
+        key = (batch_group(batch), drafts > 0)
+        self._steps.setdefault(key, deque(maxlen=REALIZED_STEPS)).append((self._step, tokens, ms, batch, plain_ms))
 
     def rate(self, batch: int, drafted: bool) -> Optional[float]:
-        """Tokens per ms of the newest steps of one kind at this batch size (None before any)."""
-        steps = self._steps.get((batch, drafted))
+        """Tokens per request and per plain step's time of the newest steps of one kind in this batch size's group
+        (with no plain step times given: tokens per ms at one batch size; None before any)."""
+        steps = self._steps.get((batch_group(batch), drafted))
         if not steps:
             return None
-        cap = STALL_CAP * statistics.median(ms for _, _, ms in steps)
-        return sum(t for _, t, _ in steps) / sum(min(ms, cap) for _, _, ms in steps)
+        cap = STALL_CAP * statistics.median(ms / plain for _, _, ms, _, plain in steps)
+        return sum(t / b for _, t, _, b, _ in steps) / sum(min(ms / plain, cap) for _, _, ms, _, plain in steps)
 
     def losing(self, batch: int) -> bool:
-        """Whether the newest steps at this batch size that verified drafts gave fewer tokens per ms than those
-        that did not."""
-        drafting, plain = self._steps.get((batch, True)), self._steps.get((batch, False))
+        """Whether the newest steps in this batch size's group that verified drafts gave fewer tokens per request
+        and per plain step's time than those that did not."""
+        group = batch_group(batch)
+        drafting, plain = self._steps.get((group, True)), self._steps.get((group, False))
         while drafting and drafting[0][0] <= self._step - PROPOSE_STALE:
             drafting.popleft()
         if not drafting or not plain or len(drafting) < REALIZED_MIN or len(plain) < REALIZED_MIN:
