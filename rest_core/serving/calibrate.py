@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from rest_core.serving.launch import LAUNCHED_ON
 from rest_core.serving.load import BATCHES, DRAFTS, StepCost, save_curve
 
 MAX_TOKENS = 16  # tokens per request in a measurement: the first is the prefill's, the rest are timed steps
@@ -96,7 +97,10 @@ def calibrate(model: str, rounds: int = 2, **engine: Any) -> tuple[str, StepCost
     # kept as measured: a step's cost need not rise with its tokens (on a Zen 4, vLLM's CPU engine took 55 ms for
     # a step over 2 tokens in all, 48 over 1 and 41-45 over 3 to 6), so no cell is evened out with its neighbours
     cost = StepCost(BATCHES, DRAFTS, tuple(tuple(round(float(x), 3) for x in row) for row in best))
-    path = save_curve(key, cost, {"model": model, "engine": engine, "measured_ms": best.round(3).tolist()})
+    # the machine key of the process that asked for it (rest-lab serve, the benchmark), which tells its table apart
+    # where this environment's torch differs from that one's (serving.launch.has_curve)
+    path = save_curve(key, cost, {"model": model, "engine": engine, "measured_ms": best.round(3).tolist(),
+                                  "launched_on": os.environ.get(LAUNCHED_ON)})
     print(f"step cost saved to {path}")
     return key, cost
 

@@ -2,12 +2,12 @@
 
 vLLM lives in its own environment (.venv-vllm at the checkout's root, made by `scripts/setup.sh --vllm`; or the
 Python named by REST_LAB_VLLM_PYTHON), so these commands start that environment's Python with the settings every
-vLLM run of REST Lab gets (VLLM_DEFAULTS, each unless set): VLLM_CPU_KVCACHE_SPACE=2 (GB: without it a CPU worker
-grew to most of a 24 GB machine); VLLM_CPU_NUM_OF_RESERVED_CPU=0 (vLLM's CPU backend otherwise keeps one core per
-worker off the model for its scheduler and front-end processes: half of a 2-core machine, where the model then
-ran 1.25x slower at batch 1 and 1.5x at batch 16, docs/bench/vllm-zen5-cores.md; on a large machine one core is
-a small share either way); and, where the environment has it and LD_PRELOAD is not set, Intel's OpenMP runtime
-preloaded (vLLM's CPU backend asks for it; REST_LAB_IOMP=0 leaves it out).
+vLLM run of REST Lab gets (VLLM_DEFAULTS, each unless set): VLLM_CPU_KVCACHE_SPACE=2 (GB: without it a CPU
+worker grew to most of a 24 GB machine); VLLM_CPU_NUM_OF_RESERVED_CPU=0 (vLLM's CPU backend otherwise keeps one
+core per worker off the model for its scheduler and front-end processes: half of a 2-core machine, where the
+model then ran 1.2x slower at batch 1 and 1.3-1.5x at batch 16, docs/bench/vllm-zen5-cores.md; on a large
+machine one core is a small share either way); and, where the environment has it and LD_PRELOAD is not set,
+Intel's OpenMP runtime preloaded (vLLM's CPU backend asks for it; REST_LAB_IOMP=0 leaves it out).
 """
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ import os
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 from datastores.common import DatastoreError
-from rest_base.files import safe_file_name
+from rest_base.files import read_json, safe_file_name
 
 ROOT = Path(__file__).resolve().parents[2]
 # the environment every vLLM run of REST Lab starts with, where not set (see the module's docstring)
 VLLM_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+LAUNCHED_ON = "REST_LAB_LAUNCHED_ON"  # the machine key of the process that asked for a step-cost table
 
 
 def set_vllm_defaults() -> None:
@@ -51,10 +53,11 @@ def vllm_env(python: Path) -> dict[str, str]:
     return env
 
 
-def run_module(module: str, args: Sequence[str]) -> int:
-    """`python -m module args...` in the vLLM environment; its exit status."""
+def run_module(module: str, args: Sequence[str], env: Optional[dict[str, str]] = None) -> int:
+    """`python -m module args...` in the vLLM environment (with `env` added to it); its exit status."""
     python = vllm_python()
-    return subprocess.call([str(python), "-m", module, *args], env=vllm_env(python), cwd=str(ROOT))
+    return subprocess.call([str(python), "-m", module, *args], env={**vllm_env(python), **(env or {})},
+                           cwd=str(ROOT))
 
 
 def served_model(model: str | None) -> str:
@@ -93,17 +96,26 @@ def engine_options(vllm_args: Sequence[str]) -> dict:
 
 
 def has_curve(model: str, settings: dict) -> bool:
-    """Whether a step cost was measured for this model with these engine settings (engine_options) with the vLLM
-    environment's version on some machine (the proposer itself refuses a table measured on another, saying how to
-    measure it); any dtype where the settings leave it to vLLM ('auto')."""
+    """Whether a step cost was measured for this model with these engine settings (engine_options), on this
+    machine as vLLM runs on it: a table named with this machine's key (a CPU machine, where both environments have
+    the same torch and vLLM uses every core, VLLM_DEFAULTS), or one measured at this machine's asking (its
+    `launched_on`: a GPU machine's vLLM environment has a torch of its own, so its tables' keys differ); any dtype
+    where the settings leave it to vLLM ('auto').  A table measured on another machine, or with vLLM keeping a core
+    off the model (the key counts the worker's threads), is not this one's: the proposer would refuse it."""
+    from rest_core.machine import machine_key
     from rest_core.serving.config import rest_lab_model_name
     from rest_core.serving.engine import settings_tag
     from rest_core.serving.load import curve_path
 
     tag = settings_tag(settings)  # "auto-tp1-pp1" where the dtype is left to vLLM
     wanted = f"-{tag.partition('-')[2]}-vllm" if settings["dtype"] == "auto" else f"-{tag}-vllm"
-    folder = curve_path("x").parent
-    return any(wanted in path.name for path in folder.glob(f"vllm-{safe_file_name(rest_lab_model_name(model))}-*.json"))
+    here = machine_key()
+    for path in curve_path("x").parent.glob(f"vllm-{safe_file_name(rest_lab_model_name(model))}-*.json"):
+        if wanted in path.name:
+            about = read_json(path)
+            if path.stem.endswith(f"-{here}") or (isinstance(about, dict) and about.get("launched_on") == here):
+                return True
+    return False
 
 
 def ensure_step_cost(folder: str, settings: dict) -> int:
@@ -112,10 +124,12 @@ def ensure_step_cost(folder: str, settings: dict) -> int:
     one)."""
     if has_curve(folder, settings):
         return 0
+    from rest_core.machine import machine_key
     from rest_core.serving.engine import calibration_options
 
     print("Measuring vLLM's step cost on this machine (once per model, engine settings and machine)...", flush=True)
-    return run_module("rest_core.serving.calibrate", [folder, *calibration_options(settings)])
+    return run_module("rest_core.serving.calibrate", [folder, *calibration_options(settings)],
+                      {LAUNCHED_ON: machine_key()})
 
 
 def serve(model: str | None, drafts: int, vllm_args: Sequence[str]) -> int:
