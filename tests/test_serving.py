@@ -1002,19 +1002,22 @@ def test_realized_rates_judge_a_draining_batch_by_its_steps_at_nearby_sizes_each
         return 20.0 + 2.0 * batch  # a plain step over `batch` requests
 
     rates = RealizedRates()
-    # a batch draining from 15 requests to 8, one step at each size of each kind: no size has enough steps alone,
-    # and the plain steps ran at larger sizes than the drafting ones (more tokens per ms, not better)
+    # a batch draining from 15 requests to 8, one step at each size of each kind: no size has enough steps alone
     for batch in range(15, 7, -1):
         rates.observe(batch, 0, batch, plain_ms(batch), plain_ms(batch))
         # drafts: 10% more tokens for 30% more time -- a loss at every size
-        rates.observe(batch - 1 if batch > 8 else 8, 8, round(1.1 * batch), 1.3 * plain_ms(batch), plain_ms(batch))
+        rates.observe(batch, 8, 1.1 * batch, 1.3 * plain_ms(batch), plain_ms(batch))
     assert len(rates._steps[(8, False)]) == len(rates._steps[(8, True)]) == REALIZED_MIN
     assert rates.losing(9) and rates.losing(15) and not rates.losing(16)
     assert rates.rate(12, False) == pytest.approx(1.0)  # a plain step: a token per request in a plain step's time
     gaining = RealizedRates()
-    for batch in range(15, 7, -1):
-        gaining.observe(batch, 0, batch, plain_ms(batch), plain_ms(batch))
-        gaining.observe(batch, 8, round(1.5 * batch), 1.3 * plain_ms(batch), plain_ms(batch))  # 50% more tokens
+    # the plain steps ran at the larger sizes (15 to 12: more tokens per ms by far), the drafting ones at the
+    # smaller (11 to 8), where each gave 20% more tokens for 10% more time: a gain, which raw tokens per ms
+    # (0.27 against 0.29) would read as a loss
+    for i in range(REALIZED_MIN):
+        big, small = 15 - i % 4, 11 - i % 4
+        gaining.observe(big, 0, big, plain_ms(big), plain_ms(big))
+        gaining.observe(small, 8, 1.2 * small, 1.1 * plain_ms(small), plain_ms(small))
     assert not gaining.losing(12)
 
 
@@ -1044,8 +1047,13 @@ def test_the_drafter_weighs_each_step_with_the_propose_call_that_prepared_it(tmp
     drafter = cyclic_drafter(tmp_path, table(50.0, 0.1))
     delay = slow_lookups(drafter, clock, monkeypatch)
     delay["ms"] = 2.0  # each request's lookup: 2 ms of propose() (4 requests: 8 ms a drafting call)
+    seen = []  # what the drafter tells its realized rates of each step: (batch, drafts, tokens, ms)
+    observe = drafter.realized.observe
+    monkeypatch.setattr(drafter.realized, "observe",
+                        lambda batch, drafts, tokens, ms, **kw: seen.append((batch, drafts, tokens, ms))
+                        or observe(batch, drafts, tokens, ms, **kw))
     given = serve(drafter, clock, lambda b, d: 50.0 + 0.5 * d, steps=12)
-    drafted = [tokens / ms for _, tokens, ms, *_ in drafter.realized._steps[(4, True)]]
+    drafted = [tokens / ms for batch, drafts, tokens, ms in seen if batch == 4 and drafts]
     # a step that verified g drafts (all accepted, and one more token for each of the 4 requests): 4 + g tokens
     # in the engine's 50 + 0.5 g ms plus the 8 ms of the propose() call that looked them up
     assert drafted == pytest.approx([(4 + g) / (58.0 + 0.5 * g) for g in given[:-1] if g])

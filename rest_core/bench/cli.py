@@ -159,9 +159,9 @@ def _run_vllm(args: argparse.Namespace) -> int:
     from rest_core.bench.vllm_bench import DEFAULT_METHODS, ENGINE, engine_settings, starts_rest
     from rest_core.serving.launch import ensure_step_cost, run_module, served_model
 
-    suites = args.suite or ["humaneval", "chat"]
-    if set(suites) - {"humaneval", "chat"}:
-        raise ValueError(f"--engine vllm runs the humaneval and chat suites, not {' '.join(suites)}.")
+    suites = args.suite or list(SUITES)
+    if set(suites) - set(SUITES):
+        raise ValueError(f"--engine vllm runs the {' and '.join(SUITES)} suites, not {' '.join(suites)}.")
     model = served_model(args.model)
     if starts_rest(args.vllm_methods or DEFAULT_METHODS):
         status = ensure_step_cost(model, engine_settings(args.dtype or ENGINE["dtype"]))

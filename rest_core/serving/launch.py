@@ -26,10 +26,16 @@ VLLM_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": 
 LAUNCHED_ON = "REST_LAB_LAUNCHED_ON"  # the machine key of the process that asked for a step-cost table
 
 
+def with_vllm_defaults(env):
+    """`env` (a dict, or os.environ) with each of VLLM_DEFAULTS set where it was not."""
+    for name, value in VLLM_DEFAULTS.items():
+        env.setdefault(name, value)
+    return env
+
+
 def set_vllm_defaults() -> None:
     """VLLM_DEFAULTS in this process's environment, where not set (a vLLM entry point started directly)."""
-    for name, value in VLLM_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+    with_vllm_defaults(os.environ)
 
 
 def vllm_python() -> Path:
@@ -43,9 +49,7 @@ def vllm_python() -> Path:
 
 def vllm_env(python: Path) -> dict[str, str]:
     """The environment a vLLM run starts with (see the module docstring)."""
-    env = dict(os.environ)
-    for name, value in VLLM_DEFAULTS.items():
-        env.setdefault(name, value)
+    env = with_vllm_defaults(dict(os.environ))
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     if iomp.is_file() and not env.get("LD_PRELOAD") and env.get("REST_LAB_IOMP", "1") != "0":
         env["LD_PRELOAD"] = str(iomp)
@@ -111,10 +115,13 @@ def has_curve(model: str, settings: dict) -> bool:
     wanted = f"-{tag.partition('-')[2]}-vllm" if settings["dtype"] == "auto" else f"-{tag}-vllm"
     here = machine_key()
     for path in curve_path("x").parent.glob(f"vllm-{safe_file_name(rest_lab_model_name(model))}-*.json"):
-        if wanted in path.name:
-            about = read_json(path)
-            if path.stem.endswith(f"-{here}") or (isinstance(about, dict) and about.get("launched_on") == here):
-                return True
+        if wanted not in path.name:
+            continue
+        if path.stem.endswith(f"-{here}"):
+            return True
+        about = read_json(path)  # named for another key: read only to see who asked for it
+        if isinstance(about, dict) and about.get("launched_on") == here:
+            return True
     return False
 
 

@@ -220,7 +220,7 @@ class RealizedRates:
     STALL_CAP times its kind's median, so one step stalled by another program does not decide."""
 
     def __init__(self):
-        # (batch group, drafted) -> (step, tokens, ms, batch, plain_ms)
+        # (batch group, drafted) -> (step, tokens per request, time in plain steps of its batch size)
         self._steps: dict[tuple[int, bool], deque] = {}
         self._step = 0
 
@@ -231,16 +231,16 @@ class RealizedRates:
             return
         self._step += 1
         key = (batch_group(batch), drafts > 0)
-        self._steps.setdefault(key, deque(maxlen=REALIZED_STEPS)).append((self._step, tokens, ms, batch, plain_ms))
+        self._steps.setdefault(key, deque(maxlen=REALIZED_STEPS)).append((self._step, tokens / batch, ms / plain_ms))
 
     def rate(self, batch: int, drafted: bool) -> Optional[float]:
         """Tokens per request and per plain step's time of the newest steps of one kind in this batch size's group
-        (with no plain step times given: tokens per ms at one batch size; None before any)."""
+        (with no plain step times given: tokens per request and ms; None before any)."""
         steps = self._steps.get((batch_group(batch), drafted))
         if not steps:
             return None
-        cap = STALL_CAP * statistics.median(ms / plain for _, _, ms, _, plain in steps)
-        return sum(t / b for _, t, _, b, _ in steps) / sum(min(ms / plain, cap) for _, _, ms, _, plain in steps)
+        cap = STALL_CAP * statistics.median(time for _, _, time in steps)
+        return sum(tokens for _, tokens, _ in steps) / sum(min(time, cap) for _, _, time in steps)
 
     def losing(self, batch: int) -> bool:
         """Whether the newest steps in this batch size's group that verified drafts gave fewer tokens per request
