@@ -10,13 +10,14 @@ of the next, over B requests that all decoded, with the D drafts given to them):
 * the shape of a batch size B along the drafts is the calibrated one, T_cal(B, D) / T_cal(B, 0) - 1 (the extra
   cost of D drafts in plain steps), scaled by a factor fitted to the newest steps at that batch size: a straight
   line ms = a + b * x through their (extra cost, ms) points, by Theil-Sen (the median of the pairwise slopes, so
-  a few steps slowed by other programs do not move it); the factor is b / a.  It needs steps with different draft
-  counts (at least MIN_EACH on each side of some count): where the newest steps all drafted about as many tokens,
-  every PROBE_EVERY-th step drafts half of what was planned (`probe`).  A batch size with no fit for STALE_STEPS
-  steps goes back to the calibrated shape, so a burst of load that made drafts look dear does not stay for the
-  life of the server.  (A table that made drafts look too dear keeps drafting off at that batch size, where
-  nothing can be learned about drafts, until it is measured again; the other way round -- drafts dearer than
-  measured, the way that would make serving slower than plain -- is what the live shape corrects);
+  a few steps slowed by other programs do not move it), refitted every REFIT_EVERY steps; the factor is b / a.
+  It needs steps with different draft counts (at least MIN_EACH on each side of some count): where the newest
+  steps all drafted about as many tokens, every PROBE_EVERY-th step drafts half of what was planned (`probe`).
+  A batch size with no fit for STALE_STEPS steps goes back to the calibrated shape, so a burst of load that made
+  drafts look dear does not stay for the life of the server.  (A table that made drafts look too dear keeps
+  drafting off at that batch size, where nothing can be learned about drafts, until it is measured again; the
+  other way round -- drafts dearer than measured, the way that would make serving slower than plain -- is what
+  the live shape corrects);
 * the level, the machine's speed now, is what the newest RECENT_LEVELS steps of any batch size imply through the
   shape (their median): every batch size and draft count follows it, run or not.
 
@@ -38,6 +39,8 @@ from rest_core.serving.load import StepCost
 RECENT_LEVELS = 9  # the machine's speed now: implied by this many newest steps of any batch size
 FIT_STEPS = 32  # a batch size's shape along the drafts: fitted to its newest this many steps ...
 MIN_EACH = 3  # ... once at least this many lie on each side of some draft count
+REFIT_EVERY = 4  # ... refitted every this many of its steps once fitted (a fit over 32 steps moves slowly; each
+# costs about 0.1 ms, a twentieth of a batch-1 step's proposing)
 STALE_STEPS = 256  # a batch size with no such fit for this many steps goes back to its calibrated shape
 PROBE_EVERY = 8  # where the newest steps cannot tell a slope, every this many steps drafts half of the plan
 FLOOR = 1e-3  # per draft, in plain steps: a calibrated shape that is flat along the drafts still orders them
@@ -72,6 +75,7 @@ class LiveStepCost:
         self._levels: deque = deque(maxlen=RECENT_LEVELS)
         self._steps: dict[int, deque] = {}  # batch size -> (step, extra cost, ms) of its newest steps
         self._scale: dict[int, tuple[float, int]] = {}  # batch size -> (factor on its shape, step it was fitted at)
+        self._unfitted: dict[int, int] = {}  # batch size -> its steps observed since its last fit
         self._step = 0
 
     def extra(self, batch: int, drafts: np.ndarray) -> np.ndarray:
@@ -88,7 +92,9 @@ class LiveStepCost:
         steps.append((self._step, float(self.extra(batch, np.array([drafts]))[0]), ms))
         while steps and steps[0][0] <= self._step - STALE_STEPS:
             steps.popleft()
-        self._fit(batch, steps)
+        self._unfitted[batch] = self._unfitted.get(batch, 0) + 1
+        if batch not in self._scale or self._unfitted[batch] >= REFIT_EVERY:
+            self._fit(batch, steps)
         for b in [b for b, (_, at) in self._scale.items() if at <= self._step - STALE_STEPS]:
             del self._scale[b]
         self._levels.append(ms / self._shape(batch, np.array([drafts]))[0])
@@ -103,6 +109,7 @@ class LiveStepCost:
     def _fit(self, batch: int, steps: deque) -> None:
         if not self._spread(steps):
             return
+        self._unfitted[batch] = 0
         x = np.array([s[1] for s in steps])
         fit = theil_sen(x, np.array([s[2] for s in steps]))
         if fit is not None and fit[0] > 0:
