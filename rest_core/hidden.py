@@ -158,10 +158,15 @@ def state_reader(model: torch.nn.Module, layer: int, device: torch.device | str 
 
 
 def dense_layer(model: torch.nn.Module) -> int:
-    """The hidden state the built-in dense store keeps: the output of the decoder layer three quarters of the way
-    up (22 of the default model's 30), which covered as many of the steps the text sources miss as the last
-    layers and more than the middle or early ones (docs/bench/dense-coverage.md)."""
-    return 3 * layer_count(model) // 4
+    """The hidden state the built-in dense store keeps for this model (`default_dense_layer`)."""
+    return default_dense_layer(layer_count(model))
+
+
+def default_dense_layer(layers: int) -> int:
+    """The hidden state the built-in dense store keeps for a model of `layers` decoder layers: the output of the
+    layer three quarters of the way up (22 of the default model's 30), which covered as many of the steps the text
+    sources miss as the last layers and more than the middle or early ones (docs/bench/dense-coverage.md)."""
+    return 3 * int(layers) // 4
 
 
 def open_model_dense(lm, spec: Optional[str] = "default", progress: bool = True, layer: Optional[int] = None,

@@ -2,14 +2,16 @@
 "num_speculative_tokens": k}`.
 
 Every engine step the proposer drafts, for each running request, the best chain of REST Lab's draft tree over
-the model's stores and the model's own predictions, read from its logits (rest_core.serving.drafter), as many
+the model's stores and the model's own predictions, read from its logits, and for chat requests whose other drafts are
+weak the dense store, queried with the model's hidden state read from its pass (rest_core.serving.drafter), as many
 tokens of it as the step cost says the whole batch can afford (rest_core.serving.load): none at all when drafting
-would not pay, counting the proposer's own time.  Stores
-and settings come from environment variables (rest_core.serving.config); the step cost is measured once per machine
-with `rest-lab calibrate-vllm MODEL` and refreshed from every step the engine runs (rest_core.serving.live).
+would not pay, counting the proposer's own time.  Stores and settings come from environment variables
+(rest_core.serving.config); the step cost is measured once per machine with `rest-lab calibrate-vllm MODEL` and
+refreshed from every step the engine runs (rest_core.serving.live).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -23,9 +25,11 @@ from rest_core.serving.engine import (
     remaining_tokens,
     running_request_ids,
     watch_logits,
+    watch_states,
 )
 
 __all__ = ["NoDraftProposer", "RestProposer"]
+log = logging.getLogger("rest_core.serving")
 
 
 class RestProposer:
@@ -41,7 +45,9 @@ class RestProposer:
                                     max_drafts=vllm_config.speculative_config.num_speculative_tokens,
                                     max_len=model.max_model_len, engine_key=engine_key(vllm_config),
                                     vocab_size=model.get_vocab_size(),
-                                    calibrate_with=calibration_options(engine_settings(vllm_config)))
+                                    calibrate_with=calibration_options(engine_settings(vllm_config)),
+                                    layers=getattr(model.hf_config, "num_hidden_layers", None),
+                                    eager=bool(getattr(model, "enforce_eager", False)))
         self.drafter.warm_up()
 
     def load_model(self, model: Any = None, *args, **kwargs) -> None:
@@ -53,6 +59,12 @@ class RestProposer:
         if table is not None and not watch_logits(model, table.successors_k, self.drafter.predicted,
                                                   wanted=self.drafter.wants_predictions):
             self.drafter.predictions = None  # nothing would teach it
+        dense = self.drafter.dense
+        if dense is not None and not watch_states(model, dense.state_layer, self.runner, self.drafter.see_states,
+                                                  keep=1 + self.drafter.max_drafts, wanted=self.drafter.wants_states):
+            log.warning("REST Lab: drafting without the dense store: the served model's hidden state %d cannot be "
+                        "read (no decoder layers at .model.layers)", dense.state_layer)
+            self.drafter.dense = None
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                 slot_mappings: Any = None) -> list[list[int]]:

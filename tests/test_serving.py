@@ -287,6 +287,119 @@ def test_the_served_model_s_predictions_are_set_by_the_environment(tmp_path, mon
         _predictions("m", None, 64)
 
 
+DENSE_DOC = list(range(20, 36))  # a corpus of one document the static store (5..14) has nothing of
+
+
+def dense_drafter(tmp_path):
+    """make_drafter's drafter with a dense store over DENSE_DOC whose states are 4 random numbers a position (kept
+    whole by a PCA of 4), and those states."""
+    from datastores import build_dense_store
+
+    states = np.random.default_rng(0).normal(size=(len(DENSE_DOC), 4)).astype(np.float32)
+    dense = build_dense_store(tmp_path / "dense", [(DENSE_DOC, 0)], lambda docs: [states[:len(d)] for d in docs],
+                              None, {"name": "m", "fingerprint": "f"}, 3, 4, progress=False)
+    drafter = make_drafter(tmp_path, history=False)
+    drafter.dense = dense
+    return drafter, states
+
+
+def test_a_chat_request_the_stores_leave_without_a_draft_drafts_from_the_dense_store_at_its_newest_state(tmp_path):
+    """The state that predicted the request's newest token finds its place in the corpus, and the chain is what
+    followed that place's next token: after a prompt, its last row; after a step that verified drafts, the row of
+    the last one kept."""
+    drafter, states = dense_drafter(tmp_path)
+    prompt = [1, 40, 41]  # 1: the chat template's marker
+    drafter.see_states({"a": (states[[0, 1, 5]], 3)})  # the engine read the prompt: its last row predicted 50
+    assert drafter.step(["a"], [[50]], [4], rows(prompt + [50])) == [DENSE_DOC[7:11]]
+    assert set(drafter.requests["a"].chain.sources[1:]) == {"dense"} and drafter.stats["dense_lookups"] == 1
+    # the engine read 50 and the four drafts, kept the first (27) and gave 60: the row of 27 predicted 60
+    drafter.see_states({"a": (states[[6, 10, 2, 3, 4]], 5)})
+    assert drafter.step(["a"], [[27, 60]], [6], rows(prompt + [50, 27, 60])) == [DENSE_DOC[12:16]]
+    assert drafter.stats["dense_drafted"] == 4 and drafter.stats["dense_accepted"] == 1
+    # no state handed over (a pass the watch could not read): nothing to search with, no dense draft
+    drafter.step(["a"], [[32, 61]], [8], rows(prompt + [50, 27, 60, 32, 61]))
+    assert drafter.stats["dense_lookups"] == 2
+
+
+def test_the_dense_store_is_left_alone_for_text_requests_and_for_chains_the_stores_make_good(tmp_path):
+    drafter, states = dense_drafter(tmp_path)
+    drafter.see_states({"t": (states[[5]], 3)})
+    drafter.step(["t"], [[50]], [4], rows([3, 40, 41, 50]))  # not a chat request
+    drafter.see_states({"c": (states[[5]], 3)})
+    assert drafter.step(["c"], [[6]], [4], rows([1, 4, 5, 6])) == [[7, 8, 9, 10]]  # the static store's chain
+    assert drafter.stats["dense_lookups"] == 0
+
+
+def test_the_state_watch_hands_each_request_the_rows_of_its_tokens_at_the_layer():
+    """vLLM's decoder layer returns its output and the residual apart: the state is their sum; the final norm's
+    output is the state by itself.  A request with few tokens in the pass gets every row, one reading its prompt
+    the last; a pass the runner does not lay out (a warm-up over no request) hands nothing on."""
+    import types
+
+    import torch
+
+    from rest_core.serving.engine import watch_states
+
+    class Layer(torch.nn.Module):
+        def forward(self, hidden):
+            return hidden * 2, hidden + 1
+
+    base = torch.nn.Module()
+    base.layers = torch.nn.ModuleList([Layer(), Layer()])
+    base.norm = Layer()
+    model = types.SimpleNamespace(model=base)
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(num_reqs=2, req_ids=["a", "b", "gone"]),
+                                   query_start_loc=types.SimpleNamespace(np=np.array([0, 3, 10, 10])))
+    got, want = [], {"yes": True}
+    assert watch_states(model, 1, runner, got.append, keep=3, wanted=lambda: want["yes"])
+    assert watch_states(model, 2, runner, got.append, keep=3)  # hidden state 2 of a 2-layer model: the norm's
+    hidden = torch.arange(40.0).reshape(10, 4)
+    base.layers[0](hidden)
+    base.norm(hidden)
+    (a, a_read), (b, b_read) = got[0]["a"], got[0]["b"]
+    assert a_read == 3 and np.array_equal(a, (3 * hidden[:3] + 1).numpy())
+    assert b_read == 7 and np.array_equal(b, (3 * hidden[9:] + 1).numpy())
+    assert np.array_equal(got[1]["a"][0], (2 * hidden[:3]).numpy()) and set(got[1]) == {"a", "b"}
+    want["yes"] = False
+    base.layers[0](hidden)
+    want["yes"] = True
+    runner.input_batch.num_reqs = 0
+    base.layers[0](hidden)
+    assert len(got) == 2
+    assert not watch_states(model, 3, runner, got.append, keep=3)  # no such layer
+    assert not watch_states(types.SimpleNamespace(), 1, runner, got.append, keep=3)
+
+
+def test_the_served_dense_store_is_set_by_the_environment_and_a_wrong_one_is_refused(tmp_path, monkeypatch,
+                                                                                    tiny_lm):
+    from datastores import DatastoreError, build_dense_store, dense_store_path
+    from rest_core.serving.config import _dense
+
+    monkeypatch.setenv("REST_LAB_CACHE", str(tmp_path / "cache"))
+    tokenizer = tiny_lm.tokenizer
+    monkeypatch.setattr(type(tokenizer), "get_vocab", lambda self: {"t0": 0, "t1": 1}, raising=False)
+    monkeypatch.setenv("REST_LAB_DENSE", "auto")
+    assert _dense("m", tokenizer, 4, eager=True) is None  # none built: served without it, said in the log
+    monkeypatch.setenv("REST_LAB_DENSE", "default")
+    with pytest.raises(DatastoreError, match="REST_LAB_DENSE=default: no dense store at .*datastore dense default"):
+        _dense("m", tokenizer, 4, eager=True)
+    states = lambda docs: [np.ones((len(d), 4), np.float32) * np.arange(len(d))[:, None] for d in docs]
+    build_dense_store(dense_store_path("m", tokenizer, 3), [(DENSE_DOC, 0)], states, tokenizer,  # state 3 of 4
+                      {"name": "m", "fingerprint": "f"}, 3, 2, progress=False)
+    assert _dense("m", tokenizer, 4, eager=True).state_layer == 3
+    with pytest.raises(DatastoreError, match="not run the model eagerly.*--enforce-eager"):
+        _dense("m", tokenizer, 4, eager=False)
+    monkeypatch.setenv("REST_LAB_DENSE", str(dense_store_path("m", tokenizer, 3)))  # a folder, named
+    with pytest.raises(DatastoreError, match="holds the hidden states of model 'm', not of the served model 'other'"):
+        _dense("other", tokenizer, 4, eager=True)
+    with pytest.raises(DatastoreError, match="keeps hidden state 3, which the served model .layers 1..2. has not"):
+        _dense("m", tokenizer, 2, eager=True)
+    monkeypatch.setenv("REST_LAB_DENSE", "auto")
+    assert _dense("m", tokenizer, 4, eager=False) is None  # auto: a compiled engine serves without it
+    monkeypatch.setenv("REST_LAB_DENSE", "none")
+    assert _dense("m", tokenizer, 4, eager=True) is None
+
+
 def test_a_request_still_reading_its_prompt_gets_no_draft(tmp_path):
     drafter = make_drafter(tmp_path)
     assert drafter.step(["a", "b"], [[], [6]], [4, 4], rows([3, 4, 5, 6], [3, 4, 5, 6])) == [[], [7, 8, 9, 10]]
@@ -920,14 +1033,15 @@ def test_the_benchmark_gives_propose_s_share_of_each_engine_step():
     from rest_core.bench.vllm_report import vllm_markdown
 
     before = {"steps": 10, "drafting_steps": 5, "propose_ms": 5.0, "drafting_propose_ms": 4.0, "engine_ms": 500.0,
-              "timed_steps": 9, "predicted_steps": 10}
+              "timed_steps": 9, "predicted_steps": 10, "dense_lookups": 1, "dense_drafted": 2, "dense_accepted": 1}
     after = {"steps": 110, "drafting_steps": 55, "propose_ms": 75.0, "drafting_propose_ms": 64.0,
-             "engine_ms": 5500.0, "timed_steps": 109, "predicted_steps": 108, "predicted_skipped": 2}
+             "engine_ms": 5500.0, "timed_steps": 109, "predicted_steps": 108, "predicted_skipped": 2,
+             "dense_lookups": 8, "dense_drafted": 14, "dense_accepted": 4}
     got = drafter_times(before, after)
     assert got == {"propose_ms_per_step": pytest.approx(0.7), "propose_ms_per_lookup_step": pytest.approx(1.2),
                    "lookup_share": pytest.approx(0.5), "engine_ms_per_step": pytest.approx(50.0),
                    "gc_ms_per_step": 0.0, "gc_full": 0, "predicted_share": pytest.approx(0.98),
-                   "predicted_skipped": 2}
+                   "predicted_skipped": 2, "dense_lookups": 7, "dense_drafted": 12, "dense_accepted": 3}
     collected = drafter_times({"steps": 10, "gc_ms": 1.0, "gc_full": 1}, {"steps": 30, "gc_ms": 9.0, "gc_full": 3})
     assert collected["gc_ms_per_step"] == pytest.approx(0.4) and collected["gc_full"] == 2  # the empty proposer's
     assert drafter_times(None, None) == {} and drafter_times({}, {"steps": 0}) == {}

@@ -7,15 +7,15 @@
 Methods: `plain` (no drafting), `ngram` (vLLM's prompt lookup, k tokens, n-grams of 1-4), `suffix`
 (SuffixDecoding, where arctic-inference is installed), `rest` (rest_core.vllm.RestProposer) and, asked for by name,
 `empty` (a custom proposer that never drafts: vLLM's drafting path alone, the floor under REST when it drafts
-nothing), `rest_stores` (REST without the model's predictions) and `plain_sync` (plain with vLLM's async
-scheduling off, as vLLM runs every custom proposer: what of the floor that costs).  Every method gets
-a fresh engine at every batch size (so what suffix decoding and REST keep of past outputs holds only this run's),
-the methods side by side per batch size; the suite's prompts run with that many requests in flight (a finished
-request is replaced at once, as a server's load would be).  Measured: aggregate tokens/s, each
-request's latency (submission to last token; p50 / p95), mean tokens per step per request (the new tokens over
-the request-steps, from vLLM's own drafting counters), and whether every output equals plain vLLM's, token for
-token.  The order of methods alternates between rounds; `--rounds-at 16=3` gives one batch size more rounds than
-the others, and the report gives every cell's median over its rounds with their range.  With the default 16
+nothing), `rest_stores` (REST without the model's predictions), `rest_text` (REST without the dense store) and
+`plain_sync` (plain with vLLM's async scheduling off, as vLLM runs every custom proposer: what of the floor that
+costs).  Every method gets a fresh engine at every batch size (so what suffix decoding and REST keep of past
+outputs holds only this run's), the methods side by side per batch size; the suite's prompts run with that many
+requests in flight (a finished request is replaced at once, as a server's load would be).  Measured: aggregate
+tokens/s, each request's latency (submission to last token; p50 / p95), mean tokens per step per request (the new
+tokens over the request-steps, from vLLM's own drafting counters), and whether every output equals plain vLLM's,
+token for token.  The order of methods alternates between rounds; `--rounds-at 16=3` gives one batch size more
+rounds than the others, and the report gives every cell's median over its rounds with their range.  With the default 16
 prompts a batch-16 cell is one wave of about 13 s: nothing replaces a finished request, so it ends with its slowest
 one; `--limit 40` keeps 16 requests in flight for most of the run (sustained load; docs/bench/vllm-zen4-load.md).
 """
@@ -37,10 +37,13 @@ from pathlib import Path
 from rest_base.files import read_json
 
 ENGINE = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "disable_log_stats": False}
-METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores", "plain_sync")
+METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores", "rest_text", "plain_sync")
 PLAIN_METHODS = ("plain", "plain_sync")  # no drafting, so no draft length
 DEFAULT_METHODS = METHODS[:4]  # the others are diagnoses: `empty`, `rest_stores` (REST without the model's
-# predictions) and `plain_sync` (plain without async scheduling, which vLLM turns off for a custom proposer)
+# predictions), `rest_text` (REST without the dense store) and `plain_sync` (plain without async scheduling, which
+# vLLM turns off for a custom proposer)
+# REST's proposer under each name, with the drafter's settings its engine starts with
+REST_VARIANTS = {"rest": {}, "rest_stores": {"REST_LAB_PREDICTIONS": "none"}, "rest_text": {"REST_LAB_DENSE": "none"}}
 PROPOSE_LOG = Path(tempfile.gettempdir()) / "rest-lab-propose.json"  # one file per run, named after it
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
@@ -63,7 +66,7 @@ def speculative_config(method: str, k: int):
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": k}
-    if method in ("rest", "rest_stores"):
+    if method in REST_VARIANTS:
         return {"method": "custom_class", "model": "rest_core.vllm.RestProposer", "num_speculative_tokens": k}
     if method == "empty":
         return {"method": "custom_class", "model": "rest_core.vllm.NoDraftProposer", "num_speculative_tokens": k}
@@ -72,7 +75,7 @@ def speculative_config(method: str, k: int):
 
 def starts_rest(methods) -> bool:
     """Whether these methods start REST's proposer, which plans with the step cost measured for the engine."""
-    return any(method_spec(m)[0] in ("rest", "rest_stores") for m in methods)
+    return any(method_spec(m)[0] in REST_VARIANTS for m in methods)
 
 
 def engine_settings(dtype: str) -> dict:
@@ -126,22 +129,26 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int) -> dict:
 
 def drafter_times(before, after) -> dict:
     """propose()'s own milliseconds per engine step (in all, and in the steps that looked up), the engine's between
-    two calls, the collector's, and how many steps taught the model's predictions, from a proposer's reports at the
-    start and end of a run (the empty proposer reports its steps and collections only; nothing for the methods
-    that write none)."""
+    two calls, the collector's, how many steps taught the model's predictions and what the dense store drafted,
+    from a proposer's reports at the start and end of a run (the empty proposer reports its steps and collections
+    only; nothing for the methods that write none)."""
     if not isinstance(after, dict) or not after.get("steps"):
         return {}
     before = before if isinstance(before, dict) else {}
     d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "drafting_steps", "propose_ms", "gc_ms",
                                                           "gc_full", "drafting_propose_ms", "engine_ms", "timed_steps",
-                                                          "predicted_steps", "predicted_skipped")}
+                                                          "predicted_steps", "predicted_skipped", "dense_lookups",
+                                                          "dense_drafted", "dense_accepted")}
     return {"propose_ms_per_step": d["propose_ms"] / max(d["steps"], 1),
             "propose_ms_per_lookup_step": d["drafting_propose_ms"] / max(d["drafting_steps"], 1),
             "lookup_share": d["drafting_steps"] / max(d["steps"], 1),
             "engine_ms_per_step": d["engine_ms"] / max(d["timed_steps"], 1),
             "gc_ms_per_step": d["gc_ms"] / max(d["steps"], 1), "gc_full": d["gc_full"],
             # steps whose logits taught the model's predictions, and those whose rows did not match the drafts
-            "predicted_share": d["predicted_steps"] / max(d["steps"], 1), "predicted_skipped": d["predicted_skipped"]}
+            "predicted_share": d["predicted_steps"] / max(d["steps"], 1), "predicted_skipped": d["predicted_skipped"],
+            # requests the dense store was searched for, and its drafts verified and kept
+            "dense_lookups": d["dense_lookups"], "dense_drafted": d["dense_drafted"],
+            "dense_accepted": d["dense_accepted"]}
 
 
 def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_tokens: int,
@@ -157,18 +164,19 @@ def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_
     report = PROPOSE_LOG.with_name(f"{PROPOSE_LOG.stem}-{os.getpid()}-{method}-{k}-{batch}.json")
     report.unlink(missing_ok=True)
     os.environ["REST_LAB_PROPOSE_LOG"] = str(report)  # REST's drafter reports its own time there
-    predictions = os.environ.get("REST_LAB_PREDICTIONS")
-    if method == "rest_stores":  # the engine's processes read the drafter's settings when they start
-        os.environ["REST_LAB_PREDICTIONS"] = "none"
+    settings = REST_VARIANTS.get(method, {})
+    kept = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)  # the engine's processes read the drafter's settings when they start
     try:
         llm = LLM(model, speculative_config=speculative_config(method, k), **engine,
                   **({"async_scheduling": False} if method == "plain_sync" else {}))
     except Exception as err:  # a method that cannot start (suffix without arctic-inference) is reported, not fatal
         return {"error": f"{type(err).__name__}: {err}"}
     finally:
-        os.environ.pop("REST_LAB_PREDICTIONS", None)
-        if predictions is not None:
-            os.environ["REST_LAB_PREDICTIONS"] = predictions
+        for name, value in kept.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
     # vLLM overlaps scheduling a step with running the last one (async scheduling) where it can: never for a
     # custom proposer, whose drafts need the step's tokens first, and (vLLM 0.32) not on CPU for plain either
     rec = {"startup_s": time.perf_counter() - t0, "k": k, "runs": {},

@@ -5,6 +5,11 @@
     REST_LAB_ANSWERS      the general-text store, drafted from in chat requests: 'auto' (default: the built-in one
                           for the served model when it is built, else none -- said in the log), 'default' (it must
                           be built: an error says how), 'none', or a store folder
+    REST_LAB_DENSE        the dense store (the model's hidden states over the general-text store's answers), searched
+                          for chat requests whose other drafts are weak: 'auto' (default: the built-in one for the
+                          served model when it is built and the engine runs the model eagerly, whose layers can be
+                          read -- else none, said in the log), 'default' (it must be built and readable: an error
+                          says how), 'none', or a store folder built for the served model
     REST_LAB_HISTORY      tokens of served outputs kept as a draft source (default 200000; 0: none)
     REST_LAB_PREDICTIONS  the model's own predictions as a draft source ("model"), taught by every step's logits:
                           'default' (starting from the table REST Lab's decoder keeps for the model, when there is
@@ -30,6 +35,7 @@ from typing import Any, Optional
 
 from datastores import (
     DatastoreError,
+    DenseStore,
     HistoryStore,
     RecycleStore,
     Store,
@@ -37,6 +43,7 @@ from datastores import (
     open_recycle,
     open_static_store,
 )
+from datastores.builtin import dense_store_path
 from datastores.fingerprint import tokenizer_fingerprint
 from rest_base.files import write_atomic
 from rest_core.cost import CostModel
@@ -85,6 +92,45 @@ def _answers(model_name: str, tokenizer: Any) -> Optional[Store]:
         return None
 
 
+def _dense(model_name: str, tokenizer: Any, layers: Optional[int], eager: bool) -> Optional[DenseStore]:
+    """The dense store REST_LAB_DENSE names for the served model (`layers`: its decoder layers, None where they
+    cannot be read; `eager`: whether the engine runs the model eagerly, so that a hook on a layer sees each pass).
+    A store of another model or tokenizer, or a damaged one, is refused; 'auto' then serves without it."""
+    spec = os.environ.get("REST_LAB_DENSE", "auto").strip()
+    if spec.lower() == "none":
+        return None
+    auto = spec.lower() == "auto"
+    try:
+        if layers is None:
+            raise DatastoreError("the served model's layer count cannot be read; set REST_LAB_DENSE=none")
+        if not eager:
+            raise DatastoreError("the engine does not run the model eagerly (its passes are compiled), so no hook "
+                                 "can read a layer's hidden states; serve with --enforce-eager, or set "
+                                 "REST_LAB_DENSE=none")
+        from rest_core.hidden import default_dense_layer
+
+        path = dense_store_path(model_name, tokenizer, default_dense_layer(layers)) if spec.lower() in (
+            "auto", "default") else Path(spec).expanduser()
+        if not (path / "meta.json").is_file():
+            raise DatastoreError(f"no dense store at {path}: `python -m rest_core datastore dense default` builds the "
+                                 f"default model's (about two minutes on 2 cores, once)")
+        store = DenseStore.open(path, tokenizer=tokenizer)
+        built_for = store.meta["model"].get("name")
+        if built_for != model_name:
+            raise DatastoreError(f"{path} holds the hidden states of model {built_for!r}, not of the served model "
+                                 f"{model_name!r}: its neighbours would mean nothing; build one for this model or "
+                                 f"set REST_LAB_DENSE=none")
+        if not 1 <= store.state_layer <= layers:
+            raise DatastoreError(f"{path} keeps hidden state {store.state_layer}, which the served model (layers "
+                                 f"1..{layers}) has not; set REST_LAB_DENSE=none")
+        return store
+    except DatastoreError as err:
+        if not auto:
+            raise DatastoreError(f"REST_LAB_DENSE={spec}: {err}") from None
+        log.warning("REST Lab: drafting without the dense store (%s)", err)
+        return None
+
+
 def step_cost(engine_key: str, calibrate_with: Sequence[str] = ()) -> StepCost:
     """The step-cost table for this engine (`engine_key`): REST_LAB_STEP_COST's file, else the one measured for
     it; a DatastoreError naming the command that measures it (`calibrate_with`: its options for this engine)."""
@@ -124,10 +170,12 @@ def _predictions(name: str, tokenizer: Any, vocab_size: Optional[int]) -> Option
 
 
 def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engine_key: str,
-                 vocab_size: Optional[int] = None, calibrate_with: Sequence[str] = ()) -> RestDrafter:
+                 vocab_size: Optional[int] = None, calibrate_with: Sequence[str] = (), layers: Optional[int] = None,
+                 eager: bool = False) -> RestDrafter:
     """The drafter for a served model, its stores opened as the environment says (see the module docstring);
     `vocab_size`: the model's (the logits' width), where the proposer hands the drafter the model's predictions;
-    `calibrate_with`: the options that measure this engine's step cost, named where none was measured."""
+    `calibrate_with`: the options that measure this engine's step cost, named where none was measured; `layers`
+    and `eager`: the model's decoder layers and whether the engine runs it eagerly (the dense store needs both)."""
     report = propose_log()
     name = rest_lab_model_name(model)
     predictions = _predictions(name, tokenizer, vocab_size)
@@ -139,20 +187,24 @@ def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engi
         raise DatastoreError(f"REST_LAB_HISTORY must be a number of tokens, got {os.environ['REST_LAB_HISTORY']!r}"
                              ) from None
     history = HistoryStore(path=None, max_tokens=history_tokens) if history_tokens > 0 else None
+    dense = _dense(name, tokenizer, layers, eager)
     text = [s for s in (static,) if s is not None]
     chat = [s for s in (static, answers) if s is not None]
     if not chat and history is None:
         log.warning("REST Lab: no static store and no history: drafting from each request's own tokens only")
     with_history = [s for s in (history, predictions) if s is not None]
-    choosers = {kind: CostModel.for_acceptance(name, [*stores, *with_history], kind=kind)
-                for kind, stores in (("text", text), ("chat", chat))}
+    fallback = [dense] if dense is not None else []
+    choosers = {kind: CostModel.for_acceptance(name, [*stores, *with_history, *more], kind=kind)
+                for kind, stores, more in (("text", text, []), ("chat", chat, fallback))}
     cost = step_cost(engine_key, calibrate_with)
-    log.info("REST Lab drafting for %s: stores %s, history %s tokens, the model's predictions %s, tokenizer %s, "
-             "step cost %s", name, [s.label for s in chat], history_tokens,
+    log.info("REST Lab drafting for %s: stores %s, history %s tokens, the model's predictions %s, the dense store "
+             "%s, tokenizer %s, step cost %s", name, [s.label for s in chat], history_tokens,
              "off" if predictions is None else f"on ({predictions.known} tokens known)",
+             "off" if dense is None else dense.describe(),
              tokenizer_fingerprint(tokenizer)[:12], engine_key)
     drafter = RestDrafter({"text": text, "chat": chat}, choosers, cost, max_drafts=max_drafts, max_len=max_len,
-                          chat_markers=chat_markers(tokenizer), history=history, predictions=predictions)
+                          chat_markers=chat_markers(tokenizer), history=history, predictions=predictions,
+                          dense=dense)
     if report is not None:
         report.watch(drafter.stats)
     drafter.report = report

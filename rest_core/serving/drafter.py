@@ -8,7 +8,12 @@ verified next.  It uses the decoder's own parts, not copies of them:
                                     request's own store (prompt + output so far), the served outputs' history
                                     and the model's own predictions (source "model": datastores.RecycleStore,
                                     one table for every request, taught the top-k tokens of every row of logits
-                                    the engine computed, which the proposer hands over: `predicted`)
+                                    the engine computed, which the proposer hands over: `predicted`), and for
+                                    chat requests the dense store (datastores.dense: the places of a corpus
+                                    where the model's hidden state was nearest the state that predicted the
+                                    request's newest token, handed over from the engine's pass: `see_states`),
+                                    searched only where the other sources leave the request's chain weak, as
+                                    the decoder's fallback is (rest_core.draft)
     tree     (rest_core.tree)       the continuations merged into a draft tree
     rank     (rest_core.cost)       each node's chance of acceptance, learned per source as the decoder learns it
     chain                           an engine that verifies chains takes the tree's best path (the likeliest
@@ -36,7 +41,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from datastores import HistoryStore, RecycleStore, RequestStore, Store
+from datastores import DenseStore, HistoryStore, RecycleStore, RequestStore, Store
 from rest_core.cost import CostModel
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
 from rest_core.serving.live import LiveStepCost, ProposeTime, RealizedRates, RecentChains
@@ -112,12 +117,14 @@ class RestDrafter:
     context; chat_markers: token ids that only a chat template puts in a prompt (they tell a chat request from
     plain text); clock: the time in seconds (the engine's steps are timed between two calls of `step`);
     predictions: the table of the model's own top predictions, drafted from as source "model" and taught by
-    `predicted` (None: no such source, as where the engine's logits cannot be read)."""
+    `predicted` (None: no such source, as where the engine's logits cannot be read); dense: the dense store chat
+    requests fall back on, queried with the hidden states `see_states` hands over (None: no such source)."""
 
     def __init__(self, shared: dict[str, list[Store]], choosers: dict[str, CostModel], cost: StepCost,
                  max_drafts: int, max_len: int, chat_markers: Sequence[int] = (),
                  history: Optional[HistoryStore] = None, settings: Optional[RetrieveSettings] = None,
-                 clock: Optional[Callable[[], float]] = None, predictions: Optional[RecycleStore] = None):
+                 clock: Optional[Callable[[], float]] = None, predictions: Optional[RecycleStore] = None,
+                 dense: Optional[DenseStore] = None):
         self.shared, self.choosers = shared, choosers
         self.cost = cost if isinstance(cost, LiveStepCost) else LiveStepCost(cost)
         self.propose_time = ProposeTime()
@@ -127,6 +134,9 @@ class RestDrafter:
         self.history = history
         self.predictions = predictions
         self._top: Optional[Any] = None  # the engine's last step's top-k tokens per row of logits
+        self.dense = dense
+        self._states: dict = {}  # the engine's last pass's hidden states per request (`see_states`)
+        self._weak_below = 0.0  # this step: a chain whose first draft's chance is below this asks the dense store
         self.settings = settings or RetrieveSettings(continuation_len=max(1, min(max_drafts, 24)))
         self._one_token = dataclasses.replace(self.settings, n_min=1)  # `_extend`'s look-ups
         self.requests: dict[str, RequestState] = {}
@@ -145,7 +155,10 @@ class RestDrafter:
                       "propose_ms": 0.0, "drafting_propose_ms": 0.0, "engine_ms": 0.0, "timed_steps": 0,
                       # steps whose logits taught the model's predictions, and those whose rows did not add up to
                       # the requests and drafts the drafter knows of (nothing taught)
-                      "predicted_steps": 0, "predicted_skipped": 0}
+                      "predicted_steps": 0, "predicted_skipped": 0,
+                      # requests whose chain was weak and the dense store was searched for, the chains that then
+                      # began with its draft, and its drafts verified and kept
+                      "dense_lookups": 0, "dense_chains": 0, "dense_drafted": 0, "dense_accepted": 0}
         self.report = None  # a serving.config.ProposeLog, where one is asked for: told of every step's stats
         self._running: set = set()  # the requests of the last step
         self.draining = False  # the batch has shrunk since a request last joined (`_watch_joining`)
@@ -178,6 +191,31 @@ class RestDrafter:
         step computed: per request in the batch's order, one row for its newest token and one for each draft
         it was given (a request reading its prompt: one row).  Taught at the next `step`."""
         self._top = top
+
+    # -- the model's hidden states (the dense source) ---------------------------------------------------------
+    def wants_states(self) -> bool:
+        """Whether the engine's passes should hand over hidden states (there is a dense store to query)."""
+        return self.dense is not None
+
+    def see_states(self, states: dict) -> None:
+        """The hidden states of the engine's newest pass at the dense store's layer, per request: {request id:
+        ((rows, d) array, the request's tokens in the pass)}, every row where the request's tokens were few (a
+        decoding request's newest token and its drafts), else the last one alone (rest_core.serving.engine.
+        watch_states).  Read at the next `step`."""
+        self._states = states
+
+    def _hidden(self, rid: str, new: Sequence[int], states: dict) -> Optional[np.ndarray]:
+        """The hidden state that predicted the request's newest token, from the step's pass: a decoding request
+        read its newest token and its drafts, and the row of the last one it kept predicted the new token; a
+        request that read (the rest of) its prompt predicted its first token at the prompt's last row."""
+        got = states.get(rid)
+        if got is None or not len(new):
+            return None
+        rows, read = got
+        if self._last is not None and rid in self._last[1]:
+            j = len(new) - 1
+            return rows[j] if len(rows) == read and j < read else None
+        return rows[-1]
 
     def _teach(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
                tokens: np.ndarray) -> None:
@@ -254,6 +292,10 @@ class RestDrafter:
         calibration.observe(chances[:len(drafted)], accepted)
         self.stats["drafted"] += len(drafted)
         self.stats["accepted"] += accepted
+        if self.dense is not None:
+            from_dense = [source == self.dense.source for source in chain.sources[1:len(drafted) + 1]]
+            self.stats["dense_drafted"] += sum(from_dense)
+            self.stats["dense_accepted"] += sum(from_dense[:accepted])
 
     # -- one engine step ---------------------------------------------------------------------------------------
     def step(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
@@ -315,6 +357,7 @@ class RestDrafter:
         """The step's drafts, and whether the stores were looked up for them."""
         self.stats["steps"] += 1
         self._teach(req_ids, sampled, lengths, tokens)
+        states, self._states = self._states, {}
         self._forget_absent(set(req_ids))
         rows = []
         for i, rid in enumerate(req_ids):
@@ -329,9 +372,12 @@ class RestDrafter:
                 or not worth_drafting(recent, self.cost, batch, self.propose_time.drafting_ms(batch), base_ms):
             return out, False
         self.stats["drafting_steps"] += 1
+        plain = self.cost(batch, 0)  # a draft pays where its chance beats the step's tokens' worth of its cost
+        self._weak_below = batch * (self.cost(batch, 1) - plain) / plain if plain > 0 else 0.0
         chains, raw, chances = [], [], []
         for i, state in rows:
-            chain, chance = self._chain(state, tokens[i], int(lengths[i]))
+            hidden = self._hidden(req_ids[i], sampled[i], states) if self.dense is not None else None
+            chain, chance = self._chain(state, tokens[i], int(lengths[i]), hidden)
             chains.append(chain)
             raw.append(chance)
             chances.append(self.calibration[state.kind].apply(chance))
@@ -348,22 +394,31 @@ class RestDrafter:
 
     def warm_up(self) -> None:
         """Do once, at start-up, what the first lookups would otherwise do on the engine's critical path: load
-        (or build) the native code of the stores, the tree and the ranking."""
+        (or build) the native code of the stores, the tree and the ranking (and the dense store's search)."""
         probe = np.array([7, 8, 9, 7, 8], dtype=np.int64)
+        hidden = np.ones(self.dense.mean.shape[0], dtype=np.float32) if self.dense is not None else None
+        weak_below, self._weak_below = self._weak_below, 1.0
         for kind in self.choosers:
             store = self._request_store(probe)
-            self._chain(RequestState(store, len(probe), len(probe), kind), probe, len(probe))
+            self._chain(RequestState(store, len(probe), len(probe), kind), probe, len(probe), hidden)
+        self._weak_below = weak_below
+        self.stats["dense_lookups"] = self.stats["dense_chains"] = 0
 
-    def _chain(self, state: RequestState, row: np.ndarray, length: int) -> tuple[DraftTree, list[float]]:
-        """The request's best chain and its prefixes' chances of acceptance."""
+    def _chain(self, state: RequestState, row: np.ndarray, length: int, hidden: Optional[np.ndarray] = None
+               ) -> tuple[DraftTree, list[float]]:
+        """The request's best chain and its prefixes' chances of acceptance (`hidden`: the state that predicted
+        its newest token, for the dense store where the other sources leave the chain weak)."""
         room = min(self.max_drafts, self.max_len - length - 1)
         context = row[max(0, length - self.settings.n_max):length].tolist()
         stores = self._stores(state, self.history, self.predictions)
-        lookups = retrieve(query_suffix(context, self.settings), stores, self.settings) if room > 0 else []
+        query = query_suffix(context, self.settings)
+        lookups = retrieve(query, stores, self.settings) if room > 0 else []
         tree = build_draft_tree(context[-1], lookups, TREE_NODES)
         chooser = self.choosers[state.kind]
         chooser.use_request(state.corrections)
         chain, chances = best_chain(tree, chooser, room)
+        if hidden is not None and room > 0 and state.kind == "chat" and self._weak(state.kind, chances):
+            chain, chances = self._fall_back(context, query, lookups, hidden, chain, chances, room, chooser)
         if chain.draft_size < min(EXTEND_BELOW, room):
             chain, chances = self._extend(state, context, chain, chances, room, chooser)
         if chances and any(_tested(chooser, name) < LEARNED for name in set(chain.sources[1:])):
@@ -371,6 +426,24 @@ class RestDrafter:
             # drafted never teaches it; value the chain as recent drafts fared until its counts speak
             chances = [max(c, p) for c, p in zip(chances, self.profile.chain(len(chances)))]
         return chain, chances
+
+    def _weak(self, kind: str, chances: list[float]) -> bool:
+        """Whether a chain's first draft (at its calibrated chance) is not worth its share of the step's cost."""
+        return not chances or self.calibration[kind].apply(chances[:1])[0] < self._weak_below
+
+    def _fall_back(self, context: list[int], query: list[int], lookups: list, hidden: np.ndarray, chain: DraftTree,
+                   chances: list[float], room: int, chooser: CostModel) -> tuple[DraftTree, list[float]]:
+        """The best chain of the tree drafted again with the dense store's continuations beside the others'."""
+        self.stats["dense_lookups"] += 1
+        self.dense.see_state(hidden, context[-1])
+        extra = retrieve(query, [self.dense], self.settings)
+        if not extra[0].continuations.shape[0]:
+            return chain, chances
+        tree = build_draft_tree(context[-1], [*lookups, *extra], TREE_NODES)
+        again, more = best_chain(tree, chooser, room)
+        if more and again.sources[1] == self.dense.source:
+            self.stats["dense_chains"] += 1
+        return again, more
 
     def _extend(self, state: RequestState, context: list[int], chain: DraftTree, chances: list[float], room: int,
                 chooser: CostModel) -> tuple[DraftTree, list[float]]:

@@ -8,7 +8,8 @@ among its callers when it is built and reads the ids from it at every step.
 Nor does vLLM hand a custom proposer the model's logits.  The runner passes the proposer its model once
 (`load_model(model)`), and every row of logits a step computes comes from that model's `compute_logits`:
 `watch_logits` wraps it so that each call also hands on its rows' top-k token ids (the logits themselves are
-returned unchanged, so sampling and verification are untouched).
+returned unchanged, so sampling and verification are untouched).  Likewise `watch_states` hooks one decoder
+layer so that each pass hands on the hidden state there of the rows the dense source needs (datastores.dense).
 """
 from __future__ import annotations
 
@@ -51,6 +52,63 @@ def watch_logits(model: Any, k: int, hand: Callable[[Any], None], wanted: Callab
         return logits
 
     model.compute_logits = compute_logits
+    return True
+
+
+def watch_states(model: Any, layer: int, runner: Any, hand: Callable[[dict], None], keep: int,
+                 wanted: Callable[[], bool] = lambda: True) -> bool:
+    """Hook the served model's hidden state number `layer` (numbered as rest_core.hidden numbers them: i < n the
+    output of decoder layer i - 1, n the final norm's) so that every forward pass the runner runs hands on, per
+    request, the rows of its tokens there: {request id: ((rows, d) float32 array, the request's tokens in the
+    pass)}, all of them where the request had at most `keep` tokens in the pass (a decoding request's newest token
+    and its drafts), else its last row alone (a prompt: the state that predicted its first output token).
+
+    vLLM's decoder layers return the residual stream in two parts (the layer's output and the residual it is
+    added to at the next layer's norm); their sum is what transformers returns for the layer (checked against
+    it: cosine 0.9999998 at layer 22 of SmolLM2-135M-Instruct, float32).  The pass's rows are laid out request by
+    request as the runner's `query_start_loc` says.  False (nothing hooked) where the model keeps no decoder
+    layers at `.model.layers` or has no such layer."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not 1 <= layer <= len(layers):
+        return False
+    normed = layer == len(layers)
+    module = getattr(base, "norm", None) if normed else layers[layer - 1]
+    if module is None:
+        return False
+    import torch
+
+    def keep_rows(module: Any, args: Any, output: Any) -> None:
+        if not wanted():
+            return
+        try:
+            batch = runner.input_batch
+            n = int(batch.num_reqs)
+            bounds = [int(b) for b in runner.query_start_loc.np[:n + 1]]
+            req_ids = list(batch.req_ids[:n])
+        except (AttributeError, ReferenceError, TypeError):
+            return
+        hidden, residual = (output if isinstance(output, tuple) else (output, None))
+        if normed:
+            residual = None  # the final norm returns its output and the stream it read: the output alone
+        if n == 0 or len(bounds) != n + 1 or hidden.shape[0] < bounds[-1]:
+            return  # a warm-up pass, or rows laid out otherwise
+        at = []
+        for start, end in zip(bounds, bounds[1:]):
+            at += range(start, end) if end - start <= keep else [end - 1]
+        index = torch.tensor(at, dtype=torch.long, device=hidden.device)
+        rows = hidden.index_select(0, index)
+        if residual is not None:
+            rows = rows + residual.index_select(0, index)
+        rows = rows.float().cpu().numpy()
+        out, i = {}, 0
+        for rid, start, end in zip(req_ids, bounds, bounds[1:]):
+            m = end - start if end - start <= keep else 1
+            out[rid] = (rows[i:i + m], end - start)
+            i += m
+        hand(out)
+
+    module.register_forward_hook(keep_rows)
     return True
 
 
