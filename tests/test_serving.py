@@ -398,6 +398,8 @@ def test_the_served_dense_store_is_set_by_the_environment_and_a_wrong_one_is_ref
     assert _dense("m", tokenizer, 4, eager=False) is None  # auto: a compiled engine serves without it
     monkeypatch.setenv("REST_LAB_DENSE", "none")
     assert _dense("m", tokenizer, 4, eager=True) is None
+    monkeypatch.delenv("REST_LAB_DENSE")
+    assert _dense("m", tokenizer, 4, eager=True) is None  # off unless asked for: it brought no tokens in vLLM
 
 
 def test_a_request_still_reading_its_prompt_gets_no_draft(tmp_path):
@@ -916,7 +918,7 @@ def test_a_method_may_carry_its_own_draft_length_and_a_wrong_one_is_refused():
         main(["--methods", "plain", "rest@x"])
 
 
-def test_rest_stores_is_rest_with_the_model_s_predictions_off_in_its_engine_only(monkeypatch):
+def test_rest_stores_and_rest_dense_are_rest_with_their_source_off_or_on_in_their_engine_only(monkeypatch):
     import sys
     import types
 
@@ -924,18 +926,21 @@ def test_rest_stores_is_rest_with_the_model_s_predictions_off_in_its_engine_only
 
     seen = []
 
-    class LLM:  # stands for vLLM's: records the drafter's setting its engine would start with, then fails
+    class LLM:  # stands for vLLM's: records the drafter's settings its engine would start with, then fails
         def __init__(self, model, speculative_config=None, **engine):
-            seen.append((speculative_config["model"], os.environ.get("REST_LAB_PREDICTIONS")))
+            seen.append((speculative_config["model"], os.environ.get("REST_LAB_PREDICTIONS"),
+                         os.environ.get("REST_LAB_DENSE")))
             raise RuntimeError("no engine here")
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=None))
     monkeypatch.setenv("REST_LAB_PREDICTIONS", "session")
-    assert speculative_config("rest_stores", 8) == speculative_config("rest", 8)
-    for method in ("rest_stores", "rest"):
+    monkeypatch.delenv("REST_LAB_DENSE", raising=False)
+    assert speculative_config("rest_stores", 8) == speculative_config("rest", 8) == speculative_config("rest_dense", 8)
+    for method in ("rest_stores", "rest_dense", "rest"):
         assert "no engine here" in run_method("m", method, 8, {}, 1, 16)["error"]
-    assert seen == [("rest_core.vllm.RestProposer", "none"), ("rest_core.vllm.RestProposer", "session")]
-    assert os.environ["REST_LAB_PREDICTIONS"] == "session"
+    proposer = "rest_core.vllm.RestProposer"
+    assert seen == [(proposer, "none", None), (proposer, "session", "default"), (proposer, "session", None)]
+    assert os.environ["REST_LAB_PREDICTIONS"] == "session" and "REST_LAB_DENSE" not in os.environ
 
 
 def test_plain_sync_is_plain_vllm_with_async_scheduling_off_and_takes_no_draft_length(monkeypatch):

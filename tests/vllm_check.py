@@ -1,7 +1,9 @@
 """Run by tests/test_vllm.py in .venv-vllm: greedy outputs of plain vLLM and of vLLM with REST drafting.
 
-    python tests/vllm_check.py MODEL OUT.json   -> {"plain": {batch: [[ids]...]}, "rest": {...}, "accepted": n,
-                                                    "report": the drafter's last report (REST_LAB_PROPOSE_LOG)}
+    python tests/vllm_check.py MODEL OUT.json [SUITE]   -> {"plain": {batch: [[ids]...]}, "rest": {...},
+        "accepted": n, "report": the drafter's last report (REST_LAB_PROPOSE_LOG)}
+
+on the first PROMPTS prompts of SUITE (default: humaneval).
 """
 from __future__ import annotations
 
@@ -25,14 +27,14 @@ def outputs(llm, prompts, batch: int) -> list[list[int]]:
     return out
 
 
-def main(model: str, path: str) -> None:
+def main(model: str, path: str, suite: str = "humaneval") -> None:
     from vllm import LLM
 
     from rest_core.bench.suites import load_suite
     from rest_core.bench.vllm_bench import ENGINE, counters, speculative_config
     from rest_core.model import load_tokenizer
 
-    prompts = [list(p.ids) for p in load_suite("humaneval", load_tokenizer(model), PROMPTS)]
+    prompts = [list(p.ids) for p in load_suite(suite, load_tokenizer(model), PROMPTS)]
     result = {}
     for method in ("plain", "rest"):
         llm = LLM(model, speculative_config=speculative_config(method, 8), **{**ENGINE, "max_model_len": 1024})
@@ -48,4 +50,4 @@ def main(model: str, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

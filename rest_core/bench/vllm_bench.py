@@ -7,7 +7,7 @@
 Methods: `plain` (no drafting), `ngram` (vLLM's prompt lookup, k tokens, n-grams of 1-4), `suffix`
 (SuffixDecoding, where arctic-inference is installed), `rest` (rest_core.vllm.RestProposer) and, asked for by name,
 `empty` (a custom proposer that never drafts: vLLM's drafting path alone, the floor under REST when it drafts
-nothing), `rest_stores` (REST without the model's predictions), `rest_text` (REST without the dense store) and
+nothing), `rest_stores` (REST without the model's predictions), `rest_dense` (REST with the dense store) and
 `plain_sync` (plain with vLLM's async scheduling off, as vLLM runs every custom proposer: what of the floor that
 costs).  Every method gets a fresh engine at every batch size (so what suffix decoding and REST keep of past
 outputs holds only this run's), the methods side by side per batch size; the suite's prompts run with that many
@@ -37,13 +37,14 @@ from pathlib import Path
 from rest_base.files import read_json
 
 ENGINE = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "disable_log_stats": False}
-METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores", "rest_text", "plain_sync")
+METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores", "rest_dense", "plain_sync")
 PLAIN_METHODS = ("plain", "plain_sync")  # no drafting, so no draft length
 DEFAULT_METHODS = METHODS[:4]  # the others are diagnoses: `empty`, `rest_stores` (REST without the model's
-# predictions), `rest_text` (REST without the dense store) and `plain_sync` (plain without async scheduling, which
+# predictions), `rest_dense` (REST with the dense store) and `plain_sync` (plain without async scheduling, which
 # vLLM turns off for a custom proposer)
 # REST's proposer under each name, with the drafter's settings its engine starts with
-REST_VARIANTS = {"rest": {}, "rest_stores": {"REST_LAB_PREDICTIONS": "none"}, "rest_text": {"REST_LAB_DENSE": "none"}}
+REST_VARIANTS = {"rest": {}, "rest_stores": {"REST_LAB_PREDICTIONS": "none"},
+                 "rest_dense": {"REST_LAB_DENSE": "default"}}
 PROPOSE_LOG = Path(tempfile.gettempdir()) / "rest-lab-propose.json"  # one file per run, named after it
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")

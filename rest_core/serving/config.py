@@ -6,10 +6,11 @@
                           for the served model when it is built, else none -- said in the log), 'default' (it must
                           be built: an error says how), 'none', or a store folder
     REST_LAB_DENSE        the dense store (the model's hidden states over the general-text store's answers), searched
-                          for chat requests whose other drafts are weak: 'auto' (default: the built-in one for the
+                          for chat requests whose other drafts are weak: 'none' (default: in vLLM's chains it
+                          brought no tokens, docs/bench/vllm-zen5-dense.md), 'auto' (the built-in one for the
                           served model when it is built and the engine runs the model eagerly, whose layers can be
                           read -- else none, said in the log), 'default' (it must be built and readable: an error
-                          says how), 'none', or a store folder built for the served model
+                          says how), or a store folder built for the served model
     REST_LAB_HISTORY      tokens of served outputs kept as a draft source (default 200000; 0: none)
     REST_LAB_PREDICTIONS  the model's own predictions as a draft source ("model"), taught by every step's logits:
                           'default' (starting from the table REST Lab's decoder keeps for the model, when there is
@@ -96,7 +97,7 @@ def _dense(model_name: str, tokenizer: Any, layers: Optional[int], eager: bool) 
     """The dense store REST_LAB_DENSE names for the served model (`layers`: its decoder layers, None where they
     cannot be read; `eager`: whether the engine runs the model eagerly, so that a hook on a layer sees each pass).
     A store of another model or tokenizer, or a damaged one, is refused; 'auto' then serves without it."""
-    spec = os.environ.get("REST_LAB_DENSE", "auto").strip()
+    spec = os.environ.get("REST_LAB_DENSE", "none").strip()
     if spec.lower() == "none":
         return None
     auto = spec.lower() == "auto"
