@@ -370,6 +370,26 @@ def test_the_state_watch_hands_each_request_the_rows_of_its_tokens_at_the_layer(
     assert not watch_states(types.SimpleNamespace(), 1, runner, got.append, keep=3)
 
 
+def test_a_runner_that_lays_out_its_rows_otherwise_hands_no_states_and_says_so_once(caplog):
+    import types
+
+    import torch
+
+    from rest_core.serving.engine import watch_states
+
+    layer = torch.nn.Linear(4, 4)
+    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[layer, layer]))
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(num_reqs=1, req_ids=["a"]))  # no query_start_loc
+    got = []
+    assert watch_states(model, 1, runner, got.append, keep=3)
+    with caplog.at_level("WARNING", logger="rest_core.serving"):
+        layer(torch.ones(2, 4))
+        layer(torch.ones(2, 4))
+    assert got == []
+    assert [r.message for r in caplog.records].count(next(r.message for r in caplog.records)) == 1
+    assert "the dense store gets no hidden states" in caplog.records[0].message
+
+
 def test_the_served_dense_store_is_set_by_the_environment_and_a_wrong_one_is_refused(tmp_path, monkeypatch,
                                                                                     tiny_lm):
     from datastores import DatastoreError, build_dense_store, dense_store_path

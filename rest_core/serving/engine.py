@@ -13,6 +13,7 @@ layer so that each pass hands on the hidden state there of the rows the dense so
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import weakref
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from rest_core.machine import machine_key
+
+log = logging.getLogger("rest_core.serving")
 
 SEARCHED_FRAMES = 6
 
@@ -78,6 +81,8 @@ def watch_states(model: Any, layer: int, runner: Any, hand: Callable[[dict], Non
         return False
     import torch
 
+    said = []
+
     def keep_rows(module: Any, args: Any, output: Any) -> None:
         if not wanted():
             return
@@ -86,7 +91,11 @@ def watch_states(model: Any, layer: int, runner: Any, hand: Callable[[dict], Non
             n = int(batch.num_reqs)
             bounds = [int(b) for b in runner.query_start_loc.np[:n + 1]]
             req_ids = list(batch.req_ids[:n])
-        except (AttributeError, ReferenceError, TypeError):
+        except (AttributeError, ReferenceError, TypeError) as err:
+            if not said:  # another vLLM's runner: the dense store gets no states, and the log says why once
+                said.append(err)
+                log.warning("REST Lab: the dense store gets no hidden states: this vLLM's model runner does not lay "
+                            "out its requests' rows as expected (%s)", err)
             return
         hidden, residual = (output if isinstance(output, tuple) else (output, None))
         if normed:
