@@ -49,3 +49,14 @@ def code_version() -> str:
         return f"rest-lab {metadata.version('rest-lab')}"
     except metadata.PackageNotFoundError:
         return "unknown (not a git checkout, not an installed package)"
+
+
+def cpu_line(mc: dict) -> str:
+    """'<model> (<vendor> family/model <f>/<m>, <features>, torch uses <instruction set>)' for the machine line of
+    a report."""
+    family = f"family/model {mc['cpu_family']}" if mc.get("cpu_family") else None
+    vendor = " ".join(d for d in (mc.get("cpu_vendor"), family) if d) or None
+    features = ", ".join(mc.get("cpu_features") or []) or None
+    capability = f"torch uses {mc['cpu_capability']}" if mc.get("cpu_capability") else None
+    details = [d for d in (vendor, features, capability) if d]
+    return mc["cpu"] + (f" ({', '.join(details)})" if details else "")

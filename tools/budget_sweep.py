@@ -25,11 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rest_core.bench.methods import rest_full_stores
-from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
-from rest_core.machine import cpu_info
+from rest_core.machine import cpu_info, cpu_line
 from rest_core.model import load_model
 from rest_core.tree import keep_nodes
 

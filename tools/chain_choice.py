@@ -133,8 +133,7 @@ def main(argv=None) -> int:
     os.environ["REST_LAB_STEP_COST"] = str(Path(args.step_cost).expanduser())
     import propose_cost
 
-    from rest_core.bench.report import cpu_line
-    from rest_core.machine import cpu_info
+    from rest_core.machine import cpu_info, cpu_line
     from rest_core.model import converted_default_dir, load_tokenizer
     from rest_core.serving.config import open_drafter
 

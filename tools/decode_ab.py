@@ -38,11 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rest_core.decode as decode_mod
 from datastores import open_default_store
-from rest_core.bench.report import cpu_line
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, RestDecoder, plain_generate
 from rest_core.kv_cache import new_cache
-from rest_core.machine import cpu_info
+from rest_core.machine import cpu_info, cpu_line
 from rest_core.model import load_model
 
 SETUPS = {"this decoder": (new_cache, True), "SDPA": (new_cache, False),

@@ -41,11 +41,10 @@ from datastores.answers import answer_documents, answers_store_path, read_kept_a
 from datastores.common import SEP
 from datastores.sources import iter_python_sources, stdlib_root
 from rest_core.bench.methods import rest_full_stores
-from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, chat_prompts, load_suite
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
-from rest_core.machine import cpu_info
+from rest_core.machine import cpu_info, cpu_line
 from rest_core.model import load_model
 
 POOL = 64  # neighbours searched per step; `filtered` keeps the first k of them whose next token fits

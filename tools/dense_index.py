@@ -23,11 +23,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datastores.dense import reduce_states
-from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import load_suite
 from rest_core.decode import DecodeConfig, plain_generate
 from rest_core.hidden import open_model_dense, sequence_states
-from rest_core.machine import cpu_info
+from rest_core.machine import cpu_info, cpu_line
 from rest_core.model import load_model
 
 

@@ -29,9 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rest_core import native
-from rest_core.bench.report import cpu_line
 from rest_core.bench.verify_pass import PrefixPass
-from rest_core.machine import cpu_info
+from rest_core.machine import cpu_info, cpu_line
 from rest_core.model import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,8 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rest_core.bench.report import cpu_line  # noqa: E402
-from rest_core.machine import code_version, cpu_info  # noqa: E402
+from rest_core.machine import code_version, cpu_info, cpu_line  # noqa: E402
 
 PROMPTS = ("How can I improve my time management skills? Give three tips.",
            "Write a Python function that returns the n-th Fibonacci number, with a docstring.",

@@ -26,11 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rest_base.native_policy import PYTHON
 from rest_core.bench.methods import rest_full_decoders, suite_arguments
-from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import load_suite
 from rest_core.cost import CostModel
 from rest_core.decode import DecodeConfig, RestDecoder
-from rest_core.machine import cpu_info
+from rest_core.machine import cpu_info, cpu_line
 from rest_core.model import load_model
 
 VARIANTS = ("native", "python")

@@ -30,9 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rest_core.bench.report import cpu_line
 from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
-from rest_core.machine import cpu_info
+from rest_core.machine import cpu_info, cpu_line
 
 
 def greedy_outputs(suite: str, limit: int, max_new: int, path: Path) -> list[tuple[list[int], list[int]]]:

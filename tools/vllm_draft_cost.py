@@ -74,8 +74,7 @@ def main(argv=None) -> int:
 
     from vllm import LLM, SamplingParams
 
-    from rest_core.bench.report import cpu_line
-    from rest_core.machine import cpu_info
+    from rest_core.machine import cpu_info, cpu_line
     from rest_core.serving.calibrate import FIRST, PACKAGE
 
     log = Path(tempfile.mkdtemp(prefix="draft-cost-")) / "steps.jsonl"

@@ -16,7 +16,7 @@ import transformers
 from plotly.subplots import make_subplots
 
 from rest_core.bench.methods import TRACED
-from rest_core.machine import code_version, cpu_info
+from rest_core.machine import code_version, cpu_info, cpu_line
 
 if TYPE_CHECKING:
     from rest_core.model import LoadedModel
@@ -64,17 +64,6 @@ def machine_info_cpu() -> dict:
 class _CpuOnly:
     name, source = "-", "-"
     device, dtype = torch.device("cpu"), "-"
-
-
-def cpu_line(mc: dict) -> str:
-    """'<model> (<vendor> family/model <f>/<m>, <features>, torch uses <instruction set>)' for the machine line of
-    a report."""
-    family = f"family/model {mc['cpu_family']}" if mc.get("cpu_family") else None
-    vendor = " ".join(d for d in (mc.get("cpu_vendor"), family) if d) or None
-    features = ", ".join(mc.get("cpu_features") or []) or None
-    capability = f"torch uses {mc['cpu_capability']}" if mc.get("cpu_capability") else None
-    details = [d for d in (vendor, features, capability) if d]
-    return mc["cpu"] + (f" ({', '.join(details)})" if details else "")
 
 
 # -- results.md -----------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from datastores import SEP, DatastoreError, TokenDatastore, build_from_token_doc
 from datastores.microbench import bench_store
 from datastores.store_format import TOKENS_NAME
 from rest_base.files import cache_dir
-from rest_core.bench.report import cpu_line, fmt, machine_info_cpu, write_png
+from rest_core.bench.report import fmt, machine_info_cpu, write_png
+from rest_core.machine import cpu_line
 
 
 def prefix_store(base: TokenDatastore, n_tokens: int, cache_root: Path | None = None) -> TokenDatastore:

@@ -21,9 +21,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rest_core import native
-from rest_core.bench.report import cpu_line, loadavg, machine_info
+from rest_core.bench.report import loadavg, machine_info
 from rest_core.cost import GRID
 from rest_core.kv_cache import new_cache
+from rest_core.machine import cpu_line
 from rest_core.model import LoadedModel
 
 PREFIXES = (256, 1024)
