@@ -347,7 +347,7 @@ def test_the_state_watch_hands_each_request_the_rows_of_its_tokens_at_the_layer(
     base = torch.nn.Module()
     base.layers = torch.nn.ModuleList([Layer(), Layer()])
     base.norm = Layer()
-    model = types.SimpleNamespace(model=base)
+    model = types.SimpleNamespace(model=base, config=types.SimpleNamespace(num_hidden_layers=2))
     runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(num_reqs=2, req_ids=["a", "b", "gone"]),
                                    query_start_loc=types.SimpleNamespace(np=np.array([0, 3, 10, 10])))
     got, want = [], {"yes": True}
@@ -378,7 +378,8 @@ def test_a_runner_that_lays_out_its_rows_otherwise_hands_no_states_and_says_so_o
     from rest_core.serving.engine import watch_states
 
     layer = torch.nn.Linear(4, 4)
-    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[layer, layer]))
+    model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[layer, layer]),
+                                  config=types.SimpleNamespace(num_hidden_layers=2))
     runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(num_reqs=1, req_ids=["a"]))  # no query_start_loc
     got = []
     assert watch_states(model, 1, runner, got.append, keep=3)
@@ -401,7 +402,8 @@ def test_the_served_dense_store_is_set_by_the_environment_and_a_wrong_one_is_ref
     monkeypatch.setenv("REST_LAB_DENSE", "auto")
     assert _dense("m", tokenizer, 4, eager=True) is None  # none built: served without it, said in the log
     monkeypatch.setenv("REST_LAB_DENSE", "default")
-    with pytest.raises(DatastoreError, match="REST_LAB_DENSE=default: no dense store at .*datastore dense default"):
+    with pytest.raises(DatastoreError, match="REST_LAB_DENSE=default: the dense store for m is not built yet: "
+                                             "`python -m rest_core datastore dense"):
         _dense("m", tokenizer, 4, eager=True)
     states = lambda docs: [np.ones((len(d), 4), np.float32) * np.arange(len(d))[:, None] for d in docs]
     build_dense_store(dense_store_path("m", tokenizer, 3), [(DENSE_DOC, 0)], states, tokenizer,  # state 3 of 4

@@ -41,10 +41,10 @@ from datastores import (
     RecycleStore,
     Store,
     open_answers,
+    open_dense,
     open_recycle,
     open_static_store,
 )
-from datastores.builtin import dense_store_path
 from datastores.fingerprint import tokenizer_fingerprint
 from rest_base.files import write_atomic
 from rest_core.cost import CostModel
@@ -110,19 +110,17 @@ def _dense(model_name: str, tokenizer: Any, layers: Optional[int], eager: bool) 
                                  "REST_LAB_DENSE=none")
         from rest_core.hidden import default_dense_layer
 
-        path = dense_store_path(model_name, tokenizer, default_dense_layer(layers)) if spec.lower() in (
-            "auto", "default") else Path(spec).expanduser()
-        if not (path / "meta.json").is_file():
-            raise DatastoreError(f"no dense store at {path}: `python -m rest_core datastore dense default` builds the "
-                                 f"default model's (about two minutes on 2 cores, once)")
-        store = DenseStore.open(path, tokenizer=tokenizer)
+        # the decoder's opening: 'default' is the built-in store (never built here: that needs the model's passes);
+        # the served model's weights are not transformers' modules, so the store's model is checked by its name
+        which = "default" if spec.lower() in ("auto", "default") else str(Path(spec).expanduser())
+        store = open_dense(which, model_name, tokenizer, None, default_dense_layer(layers))
         built_for = store.meta["model"].get("name")
         if built_for != model_name:
-            raise DatastoreError(f"{path} holds the hidden states of model {built_for!r}, not of the served model "
-                                 f"{model_name!r}: its neighbours would mean nothing; build one for this model or "
-                                 f"set REST_LAB_DENSE=none")
+            raise DatastoreError(f"{store.path} holds the hidden states of model {built_for!r}, not of the served "
+                                 f"model {model_name!r}: its neighbours would mean nothing; build one for this model "
+                                 f"or set REST_LAB_DENSE=none")
         if not 1 <= store.state_layer <= layers:
-            raise DatastoreError(f"{path} keeps hidden state {store.state_layer}, which the served model (layers "
+            raise DatastoreError(f"{store.path} keeps hidden state {store.state_layer}, which the served model (layers "
                                  f"1..{layers}) has not; set REST_LAB_DENSE=none")
         return store
     except DatastoreError as err:

@@ -136,7 +136,6 @@ class RestDrafter:
         self._top: Optional[Any] = None  # the engine's last step's top-k tokens per row of logits
         self.dense = dense
         self._states: dict = {}  # the engine's last pass's hidden states per request (`see_states`)
-        self._weak_below = 0.0  # this step: a chain whose first draft's chance is below this asks the dense store
         self.settings = settings or RetrieveSettings(continuation_len=max(1, min(max_drafts, 24)))
         self._one_token = dataclasses.replace(self.settings, n_min=1)  # `_extend`'s look-ups
         self.requests: dict[str, RequestState] = {}
@@ -372,12 +371,11 @@ class RestDrafter:
                 or not worth_drafting(recent, self.cost, batch, self.propose_time.drafting_ms(batch), base_ms):
             return out, False
         self.stats["drafting_steps"] += 1
-        plain = self.cost(batch, 0)  # a draft pays where its chance beats the step's tokens' worth of its cost
-        self._weak_below = batch * (self.cost(batch, 1) - plain) / plain if plain > 0 else 0.0
+        weak_below = self._draft_bar(batch) if self.dense is not None else 0.0
         chains, raw, chances = [], [], []
         for i, state in rows:
             hidden = self._hidden(req_ids[i], sampled[i], states) if self.dense is not None else None
-            chain, chance = self._chain(state, tokens[i], int(lengths[i]), hidden)
+            chain, chance = self._chain(state, tokens[i], int(lengths[i]), hidden, weak_below)
             chains.append(chain)
             raw.append(chance)
             chances.append(self.calibration[state.kind].apply(chance))
@@ -397,17 +395,16 @@ class RestDrafter:
         (or build) the native code of the stores, the tree and the ranking (and the dense store's search)."""
         probe = np.array([7, 8, 9, 7, 8], dtype=np.int64)
         hidden = np.ones(self.dense.mean.shape[0], dtype=np.float32) if self.dense is not None else None
-        weak_below, self._weak_below = self._weak_below, 1.0
         for kind in self.choosers:
             store = self._request_store(probe)
-            self._chain(RequestState(store, len(probe), len(probe), kind), probe, len(probe), hidden)
-        self._weak_below = weak_below
+            self._chain(RequestState(store, len(probe), len(probe), kind), probe, len(probe), hidden, weak_below=1.0)
         self.stats["dense_lookups"] = self.stats["dense_chains"] = 0
 
-    def _chain(self, state: RequestState, row: np.ndarray, length: int, hidden: Optional[np.ndarray] = None
-               ) -> tuple[DraftTree, list[float]]:
+    def _chain(self, state: RequestState, row: np.ndarray, length: int, hidden: Optional[np.ndarray] = None,
+               weak_below: float = 0.0) -> tuple[DraftTree, list[float]]:
         """The request's best chain and its prefixes' chances of acceptance (`hidden`: the state that predicted
-        its newest token, for the dense store where the other sources leave the chain weak)."""
+        its newest token, for the dense store where the other sources leave the chain weak: its first draft's
+        calibrated chance below `weak_below`)."""
         room = min(self.max_drafts, self.max_len - length - 1)
         context = row[max(0, length - self.settings.n_max):length].tolist()
         stores = self._stores(state, self.history, self.predictions)
@@ -417,7 +414,7 @@ class RestDrafter:
         chooser = self.choosers[state.kind]
         chooser.use_request(state.corrections)
         chain, chances = best_chain(tree, chooser, room)
-        if hidden is not None and room > 0 and state.kind == "chat" and self._weak(state.kind, chances):
+        if hidden is not None and room > 0 and state.kind == "chat" and self._weak(state.kind, chances, weak_below):
             chain, chances = self._fall_back(context, query, lookups, hidden, chain, chances, room, chooser)
         if chain.draft_size < min(EXTEND_BELOW, room):
             chain, chances = self._extend(state, context, chain, chances, room, chooser)
@@ -427,9 +424,15 @@ class RestDrafter:
             chances = [max(c, p) for c, p in zip(chances, self.profile.chain(len(chances)))]
         return chain, chances
 
-    def _weak(self, kind: str, chances: list[float]) -> bool:
-        """Whether a chain's first draft (at its calibrated chance) is not worth its share of the step's cost."""
-        return not chances or self.calibration[kind].apply(chances[:1])[0] < self._weak_below
+    def _draft_bar(self, batch: int) -> float:
+        """The chance a draft needs to be worth its share of a step over `batch` requests: what one draft adds to
+        the step's time, in the step's own tokens."""
+        plain = self.cost(batch, 0)
+        return batch * (self.cost(batch, 1) - plain) / plain if plain > 0 else 0.0
+
+    def _weak(self, kind: str, chances: list[float], below: float) -> bool:
+        """Whether a chain's first draft, at its calibrated chance, is below `below`."""
+        return not chances or self.calibration[kind].apply(chances[:1])[0] < below
 
     def _fall_back(self, context: list[int], query: list[int], lookups: list, hidden: np.ndarray, chain: DraftTree,
                    chances: list[float], room: int, chooser: CostModel) -> tuple[DraftTree, list[float]]:

@@ -39,8 +39,8 @@ from rest_core.serving.load import StepCost
 RECENT_LEVELS = 9  # the machine's speed now: implied by this many newest steps of any batch size
 FIT_STEPS = 32  # a batch size's shape along the drafts: fitted to its newest this many steps ...
 MIN_EACH = 3  # ... once at least this many lie on each side of some draft count
-REFIT_EVERY = 4  # ... refitted every this many of its steps once fitted (a fit over 32 steps moves slowly; each
-# costs about 0.1 ms, a twentieth of a batch-1 step's proposing)
+REFIT_EVERY = 4  # ... refitted every this many of its steps once fitted (a fit over 32 steps moves slowly; fitting
+# every step cost 0.035 ms of a batch-1 propose() call's median 0.42 ms in the chat replay, vllm-zen5-dense.md)
 STALE_STEPS = 256  # a batch size with no such fit for this many steps goes back to its calibrated shape
 PROBE_EVERY = 8  # where the newest steps cannot tell a slope, every this many steps drafts half of the plan
 FLOOR = 1e-3  # per draft, in plain steps: a calibrated shape that is flat along the drafts still orders them
