@@ -94,6 +94,42 @@ def test_typical_chains_keep_the_recent_mix():
     assert typical_chains([[0.5]], 3) == [[0.5]] * 3
 
 
+def test_the_recent_chains_typical_mix_is_kept_until_the_chains_batch_or_prior_change():
+    from rest_core.serving.live import PROPOSE_STALE, RecentChains
+
+    recent, prior = RecentChains(), [0.6, 0.36]
+    for chances in ([0.9, 0.8], [], [0.5]):
+        recent.add(chances)
+    first = recent.typical(4, prior)
+    assert first == typical_chains(recent.chains(prior), 4)
+    assert recent.typical(4, prior) is first  # asked again with nothing changed: the same answer, not recomputed
+    assert recent.typical(2, prior) == typical_chains(recent.chains(prior), 2)
+    assert recent.typical(4, [0.5, 0.25]) == typical_chains(recent.chains([0.5, 0.25]), 4)
+    recent.add([0.99, 0.98, 0.97])
+    assert recent.typical(4, prior) == typical_chains(recent.chains(prior), 4)  # a new chain counts at once
+    for _ in range(PROPOSE_STALE):
+        recent.tick()
+    assert recent.chains(prior) == [prior] * 8  # every chain forgotten ...
+    assert recent.typical(4, prior) == [prior] * 4  # ... and the kept mix with them
+
+
+def test_the_live_step_cost_of_one_step_is_the_last_of_its_row():
+    """The live cost's one-step reading (asked at every engine step) agrees with the rows the plan reads, fitted
+    or not."""
+    from rest_core.serving.live import LiveStepCost
+
+    cost = LiveStepCost(table(50.0, 0.5))
+    for batch, drafts in ((1, 0), (4, 3), (16, 40)):
+        assert cost(batch, drafts) == pytest.approx(cost.row(batch, drafts)[-1], rel=1e-12)
+    for step in range(40):  # drafts three times dearer than calibrated, at 4 requests
+        drafts = step % 5
+        cost.observe(4, drafts, 1.2 * (table(50.0, 0.5)(4, 0) + 1.5 * drafts))
+    assert cost.fitted(4) is not None
+    for batch, drafts in ((4, 0), (4, 7), (8, 2)):
+        assert cost(batch, drafts) == pytest.approx(cost.row(batch, drafts)[-1], rel=1e-12)
+    assert cost(4, 4) - cost(4, 0) == pytest.approx(1.2 * 1.5 * 4, rel=0.05)
+
+
 def test_the_plan_s_chances_are_scaled_by_how_they_came_true():
     calibration = ChanceCalibration(depth=3)
     assert calibration.apply([0.9, 0.8]) == pytest.approx([0.9, 0.8])  # nothing seen: as given

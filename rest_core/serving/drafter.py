@@ -366,9 +366,10 @@ class RestDrafter:
         batch = len(req_ids)
         base_ms = self.propose_time.plain_ms(batch)
         self.recent.tick()
-        recent = self.recent.chains(prior=self.profile.chain(self.max_drafts))
+        prior = self.profile.chain(self.max_drafts)
         if not rows or self.realized.losing(batch) \
-                or not worth_drafting(recent, self.cost, batch, self.propose_time.drafting_ms(batch), base_ms):
+                or not worth_drafting(self.recent.chains(prior), self.cost, batch, self.propose_time.drafting_ms(batch),
+                                      base_ms, typical=self.recent.typical(batch, prior)):
             return out, False
         self.stats["drafting_steps"] += 1
         weak_below = self._draft_bar(batch) if self.dense is not None else 0.0

@@ -34,7 +34,7 @@ from typing import Optional
 
 import numpy as np
 
-from rest_core.serving.load import StepCost
+from rest_core.serving.load import StepCost, typical_chains
 
 RECENT_LEVELS = 9  # the machine's speed now: implied by this many newest steps of any batch size
 FIT_STEPS = 32  # a batch size's shape along the drafts: fitted to its newest this many steps ...
@@ -83,21 +83,27 @@ class LiveStepCost:
         row = self.calibrated.row(batch, int(np.max(drafts)))
         return row[drafts] / row[0] - 1.0 + FLOOR * drafts
 
+    def _extra_at(self, batch: int, drafts: int) -> float:
+        """`extra` of one draft count, in plain Python (called at every step)."""
+        row = self.calibrated.row(batch, drafts)
+        return float(row[drafts] / row[0]) - 1.0 + FLOOR * drafts
+
     def observe(self, batch: int, drafts: int, ms: float) -> None:
         """One real engine step: `batch` requests, all decoding, `drafts` draft tokens among them, `ms` long."""
         if batch < 1 or drafts < 0 or not ms > 0:
             return
         self._step += 1
         steps = self._steps.setdefault(batch, deque(maxlen=FIT_STEPS))
-        steps.append((self._step, float(self.extra(batch, np.array([drafts]))[0]), ms))
+        steps.append((self._step, self._extra_at(batch, drafts), ms))
         while steps and steps[0][0] <= self._step - STALE_STEPS:
             steps.popleft()
         self._unfitted[batch] = self._unfitted.get(batch, 0) + 1
         if batch not in self._scale or self._unfitted[batch] >= REFIT_EVERY:
             self._fit(batch, steps)
-        for b in [b for b, (_, at) in self._scale.items() if at <= self._step - STALE_STEPS]:
-            del self._scale[b]
-        self._levels.append(ms / self._shape(batch, np.array([drafts]))[0])
+        if self._scale:
+            for b in [b for b, (_, at) in self._scale.items() if at <= self._step - STALE_STEPS]:
+                del self._scale[b]
+        self._levels.append(ms / self._shape_at(batch, drafts))
         self.level = statistics.median(self._levels)
 
     @staticmethod
@@ -123,12 +129,19 @@ class LiveStepCost:
             return self.calibrated.row(batch, int(np.max(drafts)))[drafts]
         return self.calibrated(batch, 0) * (1.0 + scale[0] * self.extra(batch, drafts))
 
+    def _shape_at(self, batch: int, drafts: int) -> float:
+        """`_shape` of one draft count, in plain Python (called at every step)."""
+        scale = self._scale.get(batch)
+        if scale is None:
+            return float(self.calibrated.row(batch, drafts)[drafts])
+        return float(self.calibrated.row(batch, 0)[0]) * (1.0 + scale[0] * self._extra_at(batch, drafts))
+
     def row(self, batch: int, drafts: int) -> np.ndarray:
         """Milliseconds of a step over `batch` requests with 0, 1, ..., `drafts` draft tokens in all."""
         return self.level * self._shape(batch, np.arange(drafts + 1))
 
     def __call__(self, batch: int, drafts: int) -> float:
-        return float(self.row(batch, drafts)[-1])
+        return self.level * self._shape_at(batch, drafts)
 
     def probe(self, batch: int) -> bool:
         """Whether this step should draft half of its plan: the newest steps at this batch size all drafted
@@ -184,19 +197,30 @@ class RecentChains:
     def __init__(self):
         self._chains: deque = deque(maxlen=RECENT_CHAINS)  # (step, chances)
         self._step = 0
+        self._typical: tuple = (None, None)  # (what they were computed from, serving.load.typical_chains' answer)
 
     def tick(self) -> None:
         """One more engine step."""
         self._step += 1
         while self._chains and self._chains[0][0] <= self._step - PROPOSE_STALE:
             self._chains.popleft()
+            self._typical = (None, None)
 
     def add(self, chances: list[float]) -> None:
         self._chains.append((self._step, chances))
+        self._typical = (None, None)
 
     def chains(self, prior: list[float]) -> list[list[float]]:
         known = [c for _, c in self._chains]
         return known + [prior] * max(0, MIN_CHAINS - len(known))
+
+    def typical(self, batch: int, prior: list[float]) -> list[list[float]]:
+        """serving.load.typical_chains of these chains for a batch of this size, kept until the chains, the batch
+        size or the prior change (a step that looks nothing up asks again with the same ones)."""
+        key = (batch, tuple(prior))
+        if self._typical[0] != key:
+            self._typical = (key, typical_chains(self.chains(prior), batch))
+        return self._typical[1]
 
 
 def batch_group(batch: int) -> int:

@@ -258,13 +258,14 @@ class ChanceCalibration:
 
 
 def worth_drafting(recent: Sequence[Sequence[float]], cost, batch: int, overhead_ms: float,
-                   base_ms: float = 0.0) -> bool:
+                   base_ms: float = 0.0, typical: Optional[Sequence[Sequence[float]]] = None) -> bool:
     """Whether chains like the recent requests' (chances as the plan saw them, an empty chain where the lookups
     found nothing) would pay, for a batch of this size, for their tokens and for drafting's own time (see
-    plan_drafts)."""
+    plan_drafts).  typical: typical_chains(recent, batch), where the caller keeps it."""
     if batch <= 0 or not recent:
         return False
-    return sum(plan_drafts(typical_chains(recent, batch), cost, batch, overhead_ms=overhead_ms, base_ms=base_ms)) > 0
+    typical = typical_chains(recent, batch) if typical is None else typical
+    return sum(plan_drafts(typical, cost, batch, overhead_ms=overhead_ms, base_ms=base_ms)) > 0
 
 
 def typical_chains(recent: Sequence[Sequence[float]], batch: int) -> list[list[float]]:
