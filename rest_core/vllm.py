@@ -24,6 +24,7 @@ from rest_core.serving.engine import (
     engine_settings,
     remaining_tokens,
     running_request_ids,
+    sample_plainly_without_drafts,
     watch_logits,
     watch_states,
 )
@@ -55,6 +56,8 @@ class RestProposer:
         and the served model's logits teach the drafter the model's own predictions."""
         if self.runner is None:
             self.runner = calling_runner()
+        if self.runner is not None:
+            sample_plainly_without_drafts(self.runner, self.drafter.stats)
         table = self.drafter.predictions
         if table is not None and not watch_logits(model, table.successors_k, self.drafter.predicted,
                                                   wanted=self.drafter.wants_predictions):
@@ -78,7 +81,8 @@ class RestProposer:
 
 class NoDraftProposer:
     """A custom proposer that never drafts: what vLLM's drafting path costs by itself (the floor under any proposer
-    that finds drafting would not pay), measured by the benchmark's `empty` method."""
+    that finds drafting would not pay), measured by the benchmark's `empty` method; its steps, none with drafts, are
+    sampled as REST's proposer has such steps sampled (serving.engine.sample_plainly_without_drafts)."""
 
     def __init__(self, vllm_config: Any):
         from rest_core.serving.config import propose_log
@@ -87,9 +91,12 @@ class NoDraftProposer:
         self.stats = {"steps": 0}
         if self.report is not None:
             self.report.watch(self.stats)
+        self.runner = calling_runner()
 
     def load_model(self, *args, **kwargs) -> None:
-        pass
+        """Steps without drafts are sampled as REST's proposer has them sampled (sample_plainly_without_drafts)."""
+        if self.runner is not None:
+            sample_plainly_without_drafts(self.runner, self.stats)
 
     def propose(self, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any) -> list[list[int]]:
         self.stats["steps"] += 1

@@ -295,6 +295,31 @@ def test_the_logits_watch_hands_on_each_call_s_top_tokens_and_returns_the_logits
     assert len(seen) == 2
 
 
+def test_a_step_without_drafts_is_sampled_on_the_engine_s_plain_path():
+    """The runner's sampling is handed no spec-decode metadata where the step's requests have no drafts (vLLM then
+    samples as without a proposer), and the metadata as it is where any request has one."""
+    from types import SimpleNamespace
+
+    from rest_core.serving.engine import sample_plainly_without_drafts
+
+    class Runner:
+        def __init__(self):
+            self.calls = []
+
+        def _sample(self, logits, spec_decode_metadata):
+            self.calls.append(spec_decode_metadata)
+            return logits
+
+    runner, counts = Runner(), {}
+    assert sample_plainly_without_drafts(runner, counts)
+    none_drafted, some_drafted = SimpleNamespace(max_spec_len=0), SimpleNamespace(max_spec_len=3)
+    assert runner._sample("logits", none_drafted) == "logits"
+    runner._sample("logits", some_drafted)
+    runner._sample("logits", None)
+    assert runner.calls == [None, some_drafted, None] and counts == {"plain_sampled": 1}
+    assert not sample_plainly_without_drafts(object())
+
+
 def test_the_served_model_s_predictions_are_set_by_the_environment(tmp_path, monkeypatch):
     import datastores.builtin as builtin
     from datastores import DatastoreError, RecycleStore
@@ -1147,6 +1172,22 @@ def test_the_draft_cost_tool_reads_its_cases():
     for bad in ("4", "x2", "0x1", "1x4+", "ax1"):
         with pytest.raises(SystemExit, match="REQUESTSxDRAFTS"):
             draft_cost.parse_case(bad)
+
+
+def test_the_wave_trace_reads_each_propose_call_as_a_step():
+    """tools/vllm_wave_trace.py: the engine's time is the gap between one call's end and the next call's start;
+    the drafts verified and kept in a step are the growth of the drafter's totals since the call before."""
+    from conftest import tool
+
+    trace = tool("vllm_wave_trace")
+    records = [[10.000, 2.0, 16, 4, True, 0, 0], [10.034, 0.5, 16, 0, False, 3, 4], [10.0655, 0.5, 15, 0, False, 3, 4]]
+    steps = trace.steps_of(records)
+    assert steps[0]["engine_ms"] is None
+    assert steps[1]["engine_ms"] == pytest.approx(32.0) and steps[2]["engine_ms"] == pytest.approx(31.0)
+    assert [(s["verified"], s["kept"]) for s in steps] == [(0, 0), (4, 3), (0, 0)]
+    summary = trace.propose_summary(steps)
+    assert summary == {"looked_steps": 1, "looked_ms": 2.0, "quiet_steps": 2, "quiet_ms": 0.5, "drafts": 4,
+                       "verified": 4, "kept": 3}
 
 
 # -- what drafting really brought ------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ def test_rest_drafting_keeps_plain_vllm_greedy_outputs_at_batch_1_and_8(env, def
     assert report["steps"] >= 16 and report["drafting_steps"] > 0 and report["accepted"] > 0
     assert 0 < report["propose_ms"] and 0 < report["timed_steps"] <= report["steps"]
     assert report["engine_ms"] / report["timed_steps"] > report["propose_ms"] / report["steps"]
+    # steps in which no request had a draft (each prompt's first, at least) were sampled on vLLM's plain path
+    assert 0 < report["plain_sampled"] < report["steps"]
 
 
 def test_chat_requests_draft_from_a_dense_store_read_at_the_served_model_s_own_layer(env, default_lm, tmp_path):

@@ -1,0 +1,154 @@
+"""Where a batch's time goes in vLLM, step by step: each method on a fresh engine (the benchmark's settings) serves
+one suite with `--batch` requests in flight, every engine step timed from the client; REST's proposer also writes
+down each propose() call (the engine's time since the call before, its own time, the requests in the step, the
+drafts it gave, whether it looked the stores up, and the drafts verified and kept since the call before).
+
+    .venv-vllm/bin/python tools/vllm_wave_trace.py MODEL --suite chat --batch 16 --methods plain rest plain rest
+    (run it with the environment `rest_core.serving.launch.vllm_env` gives, as tools/vllm_draft_cost.py)
+
+Per method it prints the wall, the engine steps, the first step (it reads the prompts), the median decoding step
+and when the first and the last request finished; for REST also the time in propose() in steps that looked the
+stores up and in steps that did not, and every step that drafted (with `--all-steps`, every step).  With 16
+prompts at batch 16 that is the benchmark's one-wave cell, with `--limit 40` its sustained one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rest_core.vllm import RestProposer
+
+TRACE_ENV = "REST_LAB_WAVE_TRACE"
+
+
+class TracedRest(RestProposer):
+    """REST's proposer, writing a line per propose() call to the file REST_LAB_WAVE_TRACE names: [start (s), its
+    own ms, requests, drafts given, looked up, drafts kept so far, drafts verified so far]."""
+
+    def __init__(self, vllm_config):
+        super().__init__(vllm_config)
+        self._trace = open(os.environ[TRACE_ENV], "a", buffering=1)
+
+    def propose(self, sampled_token_ids, *args, **kwargs):
+        start = time.perf_counter()
+        looked = self.drafter.stats["drafting_steps"]
+        out = super().propose(sampled_token_ids, *args, **kwargs)
+        stats = self.drafter.stats
+        self._trace.write(json.dumps([start, (time.perf_counter() - start) * 1e3, len(sampled_token_ids),
+                                      sum(map(len, out)), stats["drafting_steps"] > looked, stats["accepted"],
+                                      stats["drafted"]]) + "\n")
+        return out
+
+
+def steps_of(records: list[list]) -> list[dict]:
+    """The trace's calls as steps: the engine's ms since the call before ended (None for the first), propose()'s
+    ms, the requests, the drafts given, whether it looked up, and the drafts the engine verified and kept in the
+    step that ran before the call (the ones the call before gave)."""
+    out, end, kept, verified = [], None, 0, 0
+    for start, ms, batch, given, looked, kept_all, verified_all in records:
+        out.append({"engine_ms": None if end is None else (start - end) * 1e3, "propose_ms": ms, "batch": batch,
+                    "drafts": given, "looked": bool(looked), "verified": verified_all - verified,
+                    "kept": kept_all - kept})
+        end, kept, verified = start + ms / 1e3, kept_all, verified_all
+    return out
+
+
+def propose_summary(steps: list[dict]) -> dict:
+    """propose()'s mean ms in steps that looked the stores up and in steps that did not, and the drafts given,
+    verified and kept in all."""
+    looked = [s["propose_ms"] for s in steps if s["looked"]]
+    quiet = [s["propose_ms"] for s in steps if not s["looked"]]
+    return {"looked_steps": len(looked), "looked_ms": statistics.fmean(looked) if looked else 0.0,
+            "quiet_steps": len(quiet), "quiet_ms": statistics.fmean(quiet) if quiet else 0.0,
+            "drafts": sum(s["drafts"] for s in steps), "verified": sum(s["verified"] for s in steps),
+            "kept": sum(s["kept"] for s in steps)}
+
+
+def serve(llm, prompts, batch: int, max_new: int) -> dict:
+    """Every prompt with `batch` in flight, as the benchmark serves them; each engine step's ms from the client,
+    and when (step, s) the first and the last request finished."""
+    from vllm import SamplingParams
+
+    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=max_new)
+    waiting, running, times, finished = list(range(len(prompts))), 0, [], []
+    t0 = time.perf_counter()
+    while waiting or running:
+        while waiting and running < batch:
+            i = waiting.pop(0)
+            engine.add_request(str(i), {"prompt_token_ids": list(prompts[i].ids)}, params)
+            running += 1
+        start = time.perf_counter()
+        outs = engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+        for out in outs:
+            if out.finished:
+                running -= 1
+                finished.append((len(times), time.perf_counter() - t0))
+    return {"wall_s": time.perf_counter() - t0, "steps_ms": times, "first_done": finished[0],
+            "last_done": finished[-1]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="the served model folder (REST Lab's converted copy for the default model)")
+    ap.add_argument("--suite", default="chat", choices=("chat", "humaneval"))
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--methods", nargs="+", default=["plain", "rest"], choices=("plain", "empty", "rest"),
+                    help="one fresh engine each, in this order")
+    ap.add_argument("--all-steps", action="store_true", help="print every step of REST's trace")
+    args = ap.parse_args(argv)
+
+    from vllm import LLM, SamplingParams
+
+    from rest_core.bench.vllm_bench import ENGINE, speculative_config, suite_prompts
+    from rest_core.machine import cpu_info, cpu_line
+    from rest_core.model import load_tokenizer
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH"))
+                                               if p)  # the engine's process imports TracedRest from here
+    prompts = suite_prompts(args.suite, load_tokenizer(args.model), args.limit)
+    print(cpu_line(cpu_info()))
+    for method in args.methods:
+        trace = Path(os.environ.get("TMPDIR", "/tmp")) / f"wave-trace-{os.getpid()}-{time.time_ns()}.jsonl"
+        os.environ[TRACE_ENV] = str(trace)
+        spec = speculative_config(method, 8)
+        if method == "rest":
+            spec = {**spec, "model": "vllm_wave_trace.TracedRest"}
+        llm = LLM(args.model, speculative_config=spec, **ENGINE)
+        warm = list(range(1000, 1032))  # as the benchmark: one untimed request outside the suites
+        llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        skip = len(trace.read_text().splitlines()) if trace.exists() else 0
+        got = serve(llm, prompts, args.batch, args.max_new_tokens)
+        llm.llm_engine.engine_core.shutdown()
+        ms = got["steps_ms"]
+        print(f"{method}: {got['wall_s']:.3f} s, {len(ms)} steps, first step {sum(ms[:3]):.0f} ms (the first "
+              f"three calls), decoding step median {statistics.median(ms[3:]):.1f} ms; first request done at step "
+              f"{got['first_done'][0]} ({got['first_done'][1]:.2f} s), last at step {got['last_done'][0]}", flush=True)
+        if method == "rest" and trace.exists():
+            steps = steps_of([json.loads(line) for line in trace.read_text().splitlines()[skip:]])
+            s = propose_summary(steps)
+            print(f"  propose(): {s['looked_steps']} steps looked up ({s['looked_ms']:.2f} ms each), "
+                  f"{s['quiet_steps']} did not ({s['quiet_ms']:.2f} ms); {s['drafts']} drafts given, "
+                  f"{s['verified']} verified, {s['kept']} kept")
+            for i, st in enumerate(steps):
+                if args.all_steps or st["drafts"] or st["looked"] or st["verified"]:
+                    engine = f"{st['engine_ms']:6.1f}" if st["engine_ms"] is not None else "     -"
+                    print(f"  step {i:4d}: {st['batch']:2d} requests, engine {engine} ms, propose "
+                          f"{st['propose_ms']:5.2f} ms, drafts {st['drafts']:2d}, verified {st['verified']:2d}, "
+                          f"kept {st['kept']:2d}{', looked up' if st['looked'] else ''}")
+            trace.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    sys.exit(main())
