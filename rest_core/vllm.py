@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rest_core.serving.config import open_drafter
+from rest_core.serving.config import open_drafter, plain_sampling
 from rest_core.serving.engine import (
     calibration_options,
     calling_runner,
@@ -56,7 +56,7 @@ class RestProposer:
         and the served model's logits teach the drafter the model's own predictions."""
         if self.runner is None:
             self.runner = calling_runner()
-        if self.runner is not None:
+        if self.runner is not None and plain_sampling():
             sample_plainly_without_drafts(self.runner, self.drafter.stats)
         table = self.drafter.predictions
         if table is not None and not watch_logits(model, table.successors_k, self.drafter.predicted,
@@ -95,7 +95,7 @@ class NoDraftProposer:
 
     def load_model(self, *args, **kwargs) -> None:
         """Steps without drafts are sampled as REST's proposer has them sampled (sample_plainly_without_drafts)."""
-        if self.runner is not None:
+        if self.runner is not None and plain_sampling():
             sample_plainly_without_drafts(self.runner, self.stats)
 
     def propose(self, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any) -> list[list[int]]:

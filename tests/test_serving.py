@@ -320,6 +320,19 @@ def test_a_step_without_drafts_is_sampled_on_the_engine_s_plain_path():
     assert not sample_plainly_without_drafts(object())
 
 
+def test_plain_sampling_of_draftless_steps_is_on_unless_the_environment_turns_it_off(monkeypatch):
+    from datastores import DatastoreError
+    from rest_core.serving.config import plain_sampling
+
+    monkeypatch.delenv("REST_LAB_PLAIN_SAMPLING", raising=False)
+    assert plain_sampling()
+    monkeypatch.setenv("REST_LAB_PLAIN_SAMPLING", "0")
+    assert not plain_sampling()
+    monkeypatch.setenv("REST_LAB_PLAIN_SAMPLING", "off")
+    with pytest.raises(DatastoreError, match="REST_LAB_PLAIN_SAMPLING='off': set it to 1"):
+        plain_sampling()
+
+
 def test_the_served_model_s_predictions_are_set_by_the_environment(tmp_path, monkeypatch):
     import datastores.builtin as builtin
     from datastores import DatastoreError, RecycleStore

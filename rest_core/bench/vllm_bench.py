@@ -37,14 +37,15 @@ from pathlib import Path
 from rest_base.files import read_json
 
 ENGINE = {"enforce_eager": True, "dtype": "float32", "max_model_len": 2048, "disable_log_stats": False}
-METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores", "rest_dense", "plain_sync")
+METHODS = ("plain", "ngram", "suffix", "rest", "empty", "rest_stores", "rest_dense", "rest_rs", "plain_sync")
 PLAIN_METHODS = ("plain", "plain_sync")  # no drafting, so no draft length
 DEFAULT_METHODS = METHODS[:4]  # the others are diagnoses: `empty`, `rest_stores` (REST without the model's
-# predictions), `rest_dense` (REST with the dense store) and `plain_sync` (plain without async scheduling, which
+# predictions), `rest_dense` (REST with the dense store), `rest_rs` (REST with every step sampled by vLLM's rejection
+# sampler, as vLLM has it) and `plain_sync` (plain without async scheduling, which
 # vLLM turns off for a custom proposer)
 # REST's proposer under each name, with the drafter's settings its engine starts with
 REST_VARIANTS = {"rest": {}, "rest_stores": {"REST_LAB_PREDICTIONS": "none"},
-                 "rest_dense": {"REST_LAB_DENSE": "default"}}
+                 "rest_dense": {"REST_LAB_DENSE": "default"}, "rest_rs": {"REST_LAB_PLAIN_SAMPLING": "0"}}
 PROPOSE_LOG = Path(tempfile.gettempdir()) / "rest-lab-propose.json"  # one file per run, named after it
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")

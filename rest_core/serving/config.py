@@ -18,6 +18,9 @@
                           (starting empty), 'none'
     REST_LAB_STEP_COST    a step-cost file (default: the one `rest-lab calibrate-vllm` measured for this model,
                           engine and machine)
+    REST_LAB_PLAIN_SAMPLING  '1' (default): a step in which no request has a draft is sampled on vLLM's plain path
+                          (serving.engine.sample_plainly_without_drafts); '0': as vLLM samples it (its rejection
+                          sampler, drafts or none)
     REST_LAB_PROPOSE_LOG  a JSON file the drafter rewrites at its first step and every 16 steps with its counts
                           and times (steps, drafts given and accepted, propose()'s own milliseconds, the engine's
                           between two calls, the garbage collector's passes in the worker and their milliseconds)
@@ -268,3 +271,13 @@ def propose_log() -> Optional[ProposeLog]:
         raise DatastoreError(f"REST_LAB_PROPOSE_LOG={path} cannot be written ({err}); name a file in a folder "
                              "that can be written, or unset it") from None
     return ProposeLog(path)
+
+
+def plain_sampling() -> bool:
+    """Whether draftless steps are sampled on vLLM's plain path (REST_LAB_PLAIN_SAMPLING; a value other than 0
+    or 1 is an error that names them)."""
+    value = os.environ.get("REST_LAB_PLAIN_SAMPLING", "1").strip()
+    if value not in ("0", "1"):
+        raise DatastoreError(f"REST_LAB_PLAIN_SAMPLING={value!r}: set it to 1 (draftless steps sampled as plain "
+                             f"vLLM samples them, the default) or 0 (as vLLM samples every step with a proposer)")
+    return value == "1"
