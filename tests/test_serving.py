@@ -1198,6 +1198,8 @@ def test_the_wave_trace_reads_each_propose_call_as_a_step():
     assert steps[0]["engine_ms"] is None
     assert steps[1]["engine_ms"] == pytest.approx(32.0) and steps[2]["engine_ms"] == pytest.approx(31.0)
     assert [(s["verified"], s["kept"]) for s in steps] == [(0, 0), (4, 3), (0, 0)]
+    after_warm_up = trace.steps_of(records[1:], records[0])
+    assert [(s["verified"], s["kept"]) for s in after_warm_up] == [(4, 3), (0, 0)]  # the warm-up's not counted
     summary = trace.propose_summary(steps)
     assert summary == {"looked_steps": 1, "looked_ms": 2.0, "quiet_steps": 2, "quiet_ms": 0.5, "drafts": 4,
                        "verified": 4, "kept": 3}

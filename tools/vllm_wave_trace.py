@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -47,11 +48,14 @@ class TracedRest(RestProposer):
         return out
 
 
-def steps_of(records: list[list]) -> list[dict]:
+def steps_of(records: list[list], before: Optional[list] = None) -> list[dict]:
     """The trace's calls as steps: the engine's ms since the call before ended (None for the first), propose()'s
     ms, the requests, the drafts given, whether it looked up, and the drafts the engine verified and kept in the
-    step that ran before the call (the ones the call before gave)."""
+    step that ran before the call (the ones the call before gave); `before`: the call before the first (the
+    warm-up's last), whose totals the first step's counts are taken from."""
     out, end, kept, verified = [], None, 0, 0
+    if before is not None:
+        kept, verified = before[5], before[6]
     for start, ms, batch, given, looked, kept_all, verified_all in records:
         out.append({"engine_ms": None if end is None else (start - end) * 1e3, "propose_ms": ms, "batch": batch,
                     "drafts": given, "looked": bool(looked), "verified": verified_all - verified,
@@ -134,7 +138,8 @@ def main(argv=None) -> int:
               f"three calls), decoding step median {statistics.median(ms[3:]):.1f} ms; first request done at step "
               f"{got['first_done'][0]} ({got['first_done'][1]:.2f} s), last at step {got['last_done'][0]}", flush=True)
         if method == "rest" and trace.exists():
-            steps = steps_of([json.loads(line) for line in trace.read_text().splitlines()[skip:]])
+            records = [json.loads(line) for line in trace.read_text().splitlines()]
+            steps = steps_of(records[skip:], records[skip - 1] if skip else None)
             s = propose_summary(steps)
             print(f"  propose(): {s['looked_steps']} steps looked up ({s['looked_ms']:.2f} ms each), "
                   f"{s['quiet_steps']} did not ({s['quiet_ms']:.2f} ms); {s['drafts']} drafts given, "
