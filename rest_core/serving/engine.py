@@ -10,6 +10,8 @@ Nor does vLLM hand a custom proposer the model's logits.  The runner passes the 
 `watch_logits` wraps it so that each call also hands on its rows' top-k token ids (the logits themselves are
 returned unchanged, so sampling and verification are untouched).  Likewise `watch_states` hooks one decoder
 layer so that each pass hands on the hidden state there of the rows the dense source needs (datastores.dense).
+`sample_plainly_without_drafts` changes one thing in the engine: a step in which no request has a draft is sampled
+on vLLM's plain path instead of its rejection sampler (the same tokens, less work).
 """
 from __future__ import annotations
 
