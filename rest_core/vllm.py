@@ -33,6 +33,13 @@ __all__ = ["NoDraftProposer", "RestProposer"]
 log = logging.getLogger("rest_core.serving")
 
 
+def sample_plainly(runner: Any, stats: dict) -> None:
+    """Have the runner sample steps without drafts on vLLM's plain path (serving.engine.sample_plainly_without_drafts,
+    counted in stats), unless REST_LAB_PLAIN_SAMPLING=0; nothing where no runner was found."""
+    if runner is not None and plain_sampling():
+        sample_plainly_without_drafts(runner, stats)
+
+
 class RestProposer:
     """vLLM's custom proposer for REST Lab's drafts (built by vLLM with its VllmConfig)."""
 
@@ -56,8 +63,7 @@ class RestProposer:
         and the served model's logits teach the drafter the model's own predictions."""
         if self.runner is None:
             self.runner = calling_runner()
-        if self.runner is not None and plain_sampling():
-            sample_plainly_without_drafts(self.runner, self.drafter.stats)
+        sample_plainly(self.runner, self.drafter.stats)
         table = self.drafter.predictions
         if table is not None and not watch_logits(model, table.successors_k, self.drafter.predicted,
                                                   wanted=self.drafter.wants_predictions):
@@ -95,8 +101,7 @@ class NoDraftProposer:
 
     def load_model(self, *args, **kwargs) -> None:
         """Steps without drafts are sampled as REST's proposer has them sampled (sample_plainly_without_drafts)."""
-        if self.runner is not None and plain_sampling():
-            sample_plainly_without_drafts(self.runner, self.stats)
+        sample_plainly(self.runner, self.stats)
 
     def propose(self, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any) -> list[list[int]]:
         self.stats["steps"] += 1

@@ -1187,6 +1187,49 @@ def test_the_draft_cost_tool_reads_its_cases():
             draft_cost.parse_case(bad)
 
 
+def test_the_benchmark_s_serving_loop_keeps_the_batch_full_and_records_each_step(monkeypatch):
+    """rest_core.bench.vllm_bench.run_batch on a stand-in engine whose requests each take as many steps as their
+    prompt has tokens: at most `batch` in flight, a finished one replaced at once, each step's (ms, finished)
+    recorded where asked (tools/vllm_wave_trace.py reads them)."""
+    import sys
+    from types import SimpleNamespace
+
+    from rest_core.bench.vllm_bench import run_batch
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
+
+    class Engine:
+        def __init__(self):
+            self.left, self.most = {}, 0
+
+        def add_request(self, rid, prompt, params):
+            self.left[rid] = len(prompt["prompt_token_ids"])
+            self.most = max(self.most, len(self.left))
+
+        def step(self):
+            outs = []
+            for rid in list(self.left):
+                self.left[rid] -= 1
+                done = self.left[rid] == 0
+                if done:
+                    del self.left[rid]
+                outs.append(SimpleNamespace(request_id=rid, finished=done,
+                                            outputs=[SimpleNamespace(token_ids=[int(rid)])]))
+            return outs
+
+    engine = Engine()
+    llm = SimpleNamespace(llm_engine=engine, get_metrics=lambda: [])
+    prompts = [SimpleNamespace(id=f"p{i}", ids=[1] * n) for i, n in enumerate((2, 3, 1))]
+    steps = []
+    got = run_batch(llm, prompts, batch=2, max_new_tokens=8, steps=steps)
+    assert engine.most == 2  # never more than the batch in flight
+    assert got["engine_steps"] == len(steps) == 3  # p0 ends at step 2, p2 joins and ends at 3 with p1
+    assert [finished for _, finished in steps] == [0, 1, 2]
+    assert all(ms >= 0 for ms, _ in steps)
+    assert got["outputs"] == {"p0": [0], "p1": [1], "p2": [2]}
+    assert run_batch(llm, prompts, batch=3, max_new_tokens=8)["engine_steps"] == 3  # no steps list: not needed
+
+
 def test_the_wave_trace_reads_each_propose_call_as_a_step():
     """tools/vllm_wave_trace.py: the engine's time is the gap between one call's end and the next call's start;
     the drafts verified and kept in a step are the growth of the drafter's totals since the call before."""

@@ -6,10 +6,11 @@ drafts it gave, whether it looked the stores up, and the drafts verified and kep
     .venv-vllm/bin/python tools/vllm_wave_trace.py MODEL --suite chat --batch 16 --methods plain rest plain rest
     (run it with the environment `rest_core.serving.launch.vllm_env` gives, as tools/vllm_draft_cost.py)
 
-Per method it prints the wall, the engine steps, the first step (it reads the prompts), the median decoding step
-and when the first and the last request finished; for REST also the time in propose() in steps that looked the
-stores up and in steps that did not, and every step that drafted (with `--all-steps`, every step).  With 16
-prompts at batch 16 that is the benchmark's one-wave cell, with `--limit 40` its sustained one.
+Per method it prints the wall, the engine steps, the first step (it reads the prompts), the median decoding step and
+at which steps the first and the last request finished (the benchmark's own serving loop, `run_batch`); for REST
+also the time in propose() in steps that looked the stores up and in steps that did not, and every step that drafted
+(with `--all-steps`, every step). With 16 prompts at batch 16 that is the benchmark's one-wave cell, with `--limit
+40` its sustained one.
 """
 from __future__ import annotations
 
@@ -75,30 +76,6 @@ def propose_summary(steps: list[dict]) -> dict:
             "kept": sum(s["kept"] for s in steps)}
 
 
-def serve(llm, prompts, batch: int, max_new: int) -> dict:
-    """Every prompt with `batch` in flight, as the benchmark serves them; each engine step's ms from the client,
-    and when (step, s) the first and the last request finished."""
-    from vllm import SamplingParams
-
-    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=max_new)
-    waiting, running, times, finished = list(range(len(prompts))), 0, [], []
-    t0 = time.perf_counter()
-    while waiting or running:
-        while waiting and running < batch:
-            i = waiting.pop(0)
-            engine.add_request(str(i), {"prompt_token_ids": list(prompts[i].ids)}, params)
-            running += 1
-        start = time.perf_counter()
-        outs = engine.step()
-        times.append((time.perf_counter() - start) * 1e3)
-        for out in outs:
-            if out.finished:
-                running -= 1
-                finished.append((len(times), time.perf_counter() - t0))
-    return {"wall_s": time.perf_counter() - t0, "steps_ms": times, "first_done": finished[0],
-            "last_done": finished[-1]}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="the served model folder (REST Lab's converted copy for the default model)")
@@ -113,7 +90,7 @@ def main(argv=None) -> int:
 
     from vllm import LLM, SamplingParams
 
-    from rest_core.bench.vllm_bench import ENGINE, speculative_config, suite_prompts
+    from rest_core.bench.vllm_bench import ENGINE, run_batch, speculative_config, suite_prompts
     from rest_core.machine import cpu_info, cpu_line
     from rest_core.model import load_tokenizer
 
@@ -131,12 +108,14 @@ def main(argv=None) -> int:
         warm = list(range(1000, 1032))  # as the benchmark: one untimed request outside the suites
         llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
         skip = len(trace.read_text().splitlines()) if trace.exists() else 0
-        got = serve(llm, prompts, args.batch, args.max_new_tokens)
+        timeline: list = []
+        got = run_batch(llm, prompts, args.batch, args.max_new_tokens, steps=timeline)
         llm.llm_engine.engine_core.shutdown()
-        ms = got["steps_ms"]
+        ms = [step_ms for step_ms, _ in timeline]
+        done_at = [i + 1 for i, (_, finished) in enumerate(timeline) if finished]
         print(f"{method}: {got['wall_s']:.3f} s, {len(ms)} steps, first step {sum(ms[:3]):.0f} ms (the first "
               f"three calls), decoding step median {statistics.median(ms[3:]):.1f} ms; first request done at step "
-              f"{got['first_done'][0]} ({got['first_done'][1]:.2f} s), last at step {got['last_done'][0]}", flush=True)
+              f"{done_at[0]}, last at step {done_at[-1]}", flush=True)
         if method == "rest" and trace.exists():
             records = [json.loads(line) for line in trace.read_text().splitlines()]
             steps = steps_of(records[skip:], records[skip - 1] if skip else None)

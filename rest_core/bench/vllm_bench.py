@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from rest_base.files import read_json
 
@@ -94,8 +95,10 @@ def counters(llm) -> dict[str, float]:
     return found
 
 
-def run_batch(llm, prompts, batch: int, max_new_tokens: int) -> dict:
-    """All prompts with `batch` requests in flight; per prompt its tokens and latency, and the totals."""
+def run_batch(llm, prompts, batch: int, max_new_tokens: int, steps: Optional[list] = None) -> dict:
+    """All prompts with `batch` requests in flight; per prompt its tokens and latency, and the totals (`steps`:
+    where given, each engine step's (ms, requests it finished) is appended to it, as tools/vllm_wave_trace.py
+    reads them)."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -103,15 +106,19 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int) -> dict:
     before = counters(llm)
     waiting = list(range(len(prompts)))
     started, done = {}, {}
-    steps = 0
+    n_steps = 0
     t0 = time.perf_counter()
     while waiting or len(done) < len(prompts):
         while waiting and len(started) - len(done) < batch:
             i = waiting.pop(0)
             started[i] = time.perf_counter()
             engine.add_request(str(i), {"prompt_token_ids": list(prompts[i].ids)}, params)
-        steps += 1
-        for out in engine.step():
+        n_steps += 1
+        start = time.perf_counter()
+        outs = engine.step()
+        if steps is not None:
+            steps.append(((time.perf_counter() - start) * 1e3, sum(out.finished for out in outs)))
+        for out in outs:
             if out.finished:
                 i = int(out.request_id)
                 done[i] = (list(out.outputs[0].token_ids), time.perf_counter() - started[i])
@@ -124,8 +131,8 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int) -> dict:
     return {"batch": batch, "wall_s": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall,
             "latency_p50_s": statistics.median(latencies),
             "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
-            "tokens_per_step": tokens / max(tokens - accepted, 1), "engine_steps": steps,
-            "ms_per_engine_step": 1e3 * wall / max(steps, 1), **delta,
+            "tokens_per_step": tokens / max(tokens - accepted, 1), "engine_steps": n_steps,
+            "ms_per_engine_step": 1e3 * wall / max(n_steps, 1), **delta,
             "outputs": {prompts[i].id: done[i][0] for i in sorted(done)}}
 
 

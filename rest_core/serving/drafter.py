@@ -50,8 +50,8 @@ from rest_core.serving.load import (
     ChanceCalibration,
     StepCost,
     plan_drafts,
+    typical_pay,
     wave_worth,
-    worth_drafting,
 )
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
 
@@ -368,8 +368,8 @@ class RestDrafter:
         self.recent.tick()
         prior = self.profile.chain(self.max_drafts)
         if not rows or self.realized.losing(batch) \
-                or not worth_drafting(self.recent.chains(prior), self.cost, batch, self.propose_time.drafting_ms(batch),
-                                      base_ms, typical=self.recent.typical(batch, prior)):
+                or not typical_pay(self.recent.typical(batch, prior), self.cost, batch,
+                                   self.propose_time.drafting_ms(batch), base_ms):
             return out, False
         self.stats["drafting_steps"] += 1
         weak_below = self._draft_bar(batch) if self.dense is not None else 0.0

@@ -128,12 +128,12 @@ def sample_plainly_without_drafts(runner: Any, counts: Optional[dict] = None) ->
 
     vLLM 0.32 samples every step of an engine that has a proposer through its rejection sampler, drafts or none;
     with none it samples each request's one token with the same sampler plain vLLM uses, after indexing, cloning and
-    checking empty draft tensors (0.57 ms a step at batch 16 on a 2-core Zen 5, under cProfile: the runner's
-    sample_tokens 0.99 ms against plain's 0.42).  The runner's `_sample(logits, spec_decode_metadata)` is wrapped
-    so that such a step hands it no spec-decode metadata, and vLLM samples it on its own plain path; the tokens
-    come back as one column per request, the shape the rejection sampler gives with no drafts, so the rest of the
-    step reads them as before.  Each such step counts one in counts["plain_sampled"] (where given).  False (nothing
-    wrapped) where the runner has no such method."""
+    checking empty draft tensors (at batch 16 on a 2-core Zen 5, under cProfile, the executor's sample_tokens took
+    1.03 ms a step against plain vLLM's 0.42-0.50, and 0.48-0.59 once wrapped as below).  The runner's
+    `_sample(logits, spec_decode_metadata)` is wrapped so that such a step hands it no spec-decode metadata, and
+    vLLM samples it on its own plain path; the tokens come back as one column per request, the shape the rejection
+    sampler gives with no drafts, so the rest of the step reads them as before.  Each such step counts one in
+    counts["plain_sampled"] (where given).  False (nothing wrapped) where the runner has no such method."""
     original = getattr(runner, "_sample", None)
     if not callable(original):
         return False

@@ -100,9 +100,8 @@ class LiveStepCost:
         self._unfitted[batch] = self._unfitted.get(batch, 0) + 1
         if batch not in self._scale or self._unfitted[batch] >= REFIT_EVERY:
             self._fit(batch, steps)
-        if self._scale:
-            for b in [b for b, (_, at) in self._scale.items() if at <= self._step - STALE_STEPS]:
-                del self._scale[b]
+        for b in [b for b, (_, at) in self._scale.items() if at <= self._step - STALE_STEPS]:
+            del self._scale[b]
         self._levels.append(ms / self._shape_at(batch, drafts))
         self.level = statistics.median(self._levels)
 

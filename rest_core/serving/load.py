@@ -258,13 +258,21 @@ class ChanceCalibration:
 
 
 def worth_drafting(recent: Sequence[Sequence[float]], cost, batch: int, overhead_ms: float,
-                   base_ms: float = 0.0, typical: Optional[Sequence[Sequence[float]]] = None) -> bool:
+                   base_ms: float = 0.0) -> bool:
     """Whether chains like the recent requests' (chances as the plan saw them, an empty chain where the lookups
     found nothing) would pay, for a batch of this size, for their tokens and for drafting's own time (see
-    plan_drafts).  typical: typical_chains(recent, batch), where the caller keeps it."""
+    plan_drafts)."""
     if batch <= 0 or not recent:
         return False
-    typical = typical_chains(recent, batch) if typical is None else typical
+    return typical_pay(typical_chains(recent, batch), cost, batch, overhead_ms, base_ms)
+
+
+def typical_pay(typical: Sequence[Sequence[float]], cost, batch: int, overhead_ms: float, base_ms: float = 0.0
+                ) -> bool:
+    """worth_drafting's answer from the batch's typical chains (typical_chains of the recent ones), where the
+    caller keeps them (serving.live.RecentChains.typical)."""
+    if batch <= 0 or not typical:
+        return False
     return sum(plan_drafts(typical, cost, batch, overhead_ms=overhead_ms, base_ms=base_ms)) > 0
 
 
