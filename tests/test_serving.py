@@ -207,6 +207,22 @@ def test_join_chains_puts_the_tail_after_the_head_s_last_draft():
     assert join_chains(chain([1], ""), chain([1, 5], "static")).tokens.tolist() == [1, 5]  # an empty head
 
 
+def test_a_step_that_looks_nothing_up_defers_indexing_the_request_s_tokens(tmp_path):
+    dear = StepCost(BATCHES, DRAFTS, tuple(tuple(50.0 * b + 1e4 * k for k in DRAFTS) for b in BATCHES))
+    drafter = make_drafter(tmp_path, cost=dear)  # a draft dearer than hundreds of steps: none pays
+    seq = [3, 4, 5, 6]
+    drafter.step(["a", "b"], [[6], [6]], [4, 4], rows(seq, [9, 4, 5, 6]))
+    for t in (7, 8, 9):
+        seq.append(t)
+        assert drafter.step(["a", "b"], [[t], [t]], [len(seq)] * 2, rows(seq, [9, *seq[1:]])) == [[], []]
+    state = drafter.requests["a"]
+    assert drafter.stats["drafting_steps"] == 0 and state.pending == [7, 8, 9]  # noted, not indexed
+    assert state.store.tokens.tolist() == seq and state.pending == []  # reading the store indexes them
+    assert state.store.lookup([4, 5], n_max=4, n_min=2).continuations[0, :2].tolist() == [6, 7]
+    drafter.step(["a"], [[10]], [len(seq) + 1], rows(seq + [10]))  # "b" leaves with three tokens unindexed
+    assert drafter.history.answers()[-1].tolist() == [6, 7, 8, 9]  # its whole output joins the history
+
+
 def test_request_states_follow_completion_preemption_and_thousands_of_requests(tmp_path):
     drafter = make_drafter(tmp_path)
     drafter.step(["a", "b"], [[6], [6]], [4, 4], rows([3, 4, 5, 6], [9, 4, 5, 6]))

@@ -168,6 +168,7 @@ def main(argv=None) -> int:
         if profiler and r == args.rounds - 1:
             profiler.enable()
         engine_before = clock.engine_s
+        counted = {k: drafter.stats[k] for k in ("drafted", "accepted", "expected")}
         calls = replay(drafter, pairs, args.batch, cost, clock, None if args.no_max_tokens else args.max_new_tokens)
         if profiler and r == args.rounds - 1:
             profiler.disable()
@@ -175,6 +176,9 @@ def main(argv=None) -> int:
         spent_s = clock.engine_s - engine_before + sum(c[1] for c in calls) / 1e3
         print(f"  simulated: {tokens / spent_s:.1f} tokens/s (the simulated engine's steps plus propose()'s time), "
               f"{plain_s / spent_s:.3f}x plain")
+        done = {k: drafter.stats[k] - counted[k] for k in counted}
+        print(f"  drafts verified {done['drafted']}, kept {done['accepted']} "
+              f"(the plan expected {done['expected']:.1f})")
     if profiler:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
     return 0

@@ -36,7 +36,6 @@ import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -62,17 +61,30 @@ LEARNED = 64  # drafts a source must have had tested before the cost model's cha
 EXTEND_BELOW = 2  # a chain shorter than this is carried on from its end by one-token matches (`_extend`)
 
 
-@dataclass
 class RequestState:
-    """What the drafter keeps for one running request."""
+    """What the drafter keeps for one running request.  Its store catches up when read: a step that looks nothing
+    up only notes the request's new tokens (`pending`), and they are indexed, all at once, the next time the
+    store is read (a lookup, or the request leaving)."""
 
-    store: RequestStore  # prompt + output so far
-    length: int  # tokens the store holds
-    first_output: int  # where the output begins in the store (as far as the drafter saw it begin)
-    kind: str  # "chat" or "text": the cost model learns acceptance per kind
-    corrections: dict = field(default_factory=dict)  # the cost model's per-request record (CostModel.use_request)
-    chain: Optional[DraftTree] = None  # the drafts proposed last step, awaiting the step's verdict
-    chances: list[float] = field(default_factory=list)  # ... and the chances of its prefixes (before calibration)
+    __slots__ = ("_store", "pending", "length", "first_output", "kind", "corrections", "chain", "chances")
+
+    def __init__(self, store: RequestStore, length: int, first_output: int, kind: str):
+        self._store = store  # prompt + output so far, less `pending`
+        self.pending: list[int] = []  # tokens seen since the store was last read
+        self.length = length  # tokens of the request seen so far (the store's and `pending`)
+        self.first_output = first_output  # where the output begins in the store (as far as the drafter saw it)
+        self.kind = kind  # "chat" or "text": the cost model learns acceptance per kind
+        self.corrections: dict = {}  # the cost model's per-request record (CostModel.use_request)
+        self.chain: Optional[DraftTree] = None  # the drafts proposed last step, awaiting the step's verdict
+        self.chances: list[float] = []  # ... and the chances of its prefixes (before calibration)
+
+    @property
+    def store(self) -> RequestStore:
+        """The request's store, with every token seen so far."""
+        if self.pending:
+            self._store.extend(self.pending)
+            self.pending = []
+        return self._store
 
 
 def best_chain(tree: DraftTree, chooser: CostModel, limit: int) -> tuple[DraftTree, list[float]]:
@@ -259,8 +271,9 @@ class RestDrafter:
         chain it was given), or rebuilt from its tokens when it is new or did not continue where it stood."""
         state = self.requests.get(rid)
         if state is not None and state.length + len(new) == length:
-            self._learn(state, new)
-            state.store.extend([int(t) for t in new])
+            if state.chain is not None:
+                self._learn(state, new)
+            state.pending.extend(new)
             state.length = length
             return state
         tokens = np.asarray(row[:length], dtype=np.int64)
