@@ -906,7 +906,7 @@ def test_the_benchmark_serves_the_dtype_it_is_given_and_keeps_float32_by_default
 
     monkeypatch.setattr(vllm_bench, "run_method", run_method)
     monkeypatch.setattr(vllm_bench, "machine", lambda: bench_result({"plain": [1.0]})["machine"])
-    monkeypatch.setattr(vllm_bench, "suite_prompts", lambda suite, tokenizer, limit: [])
+    monkeypatch.setattr(vllm_bench, "suite_prompts", lambda suite, tokenizer, limit, waves=1: [])
     monkeypatch.setattr("rest_core.model.resolve_source", lambda model: ("x", "x"))
     monkeypatch.setattr("rest_core.model.load_tokenizer", lambda model: None)
     monkeypatch.setattr("rest_core.bench.vllm_report.vllm_markdown", lambda r: r["settings"]["engine"]["dtype"])
@@ -936,8 +936,10 @@ def test_bench_with_the_vllm_engine_passes_its_settings_on_to_the_vllm_benchmark
     assert argv[:4] == ["--model", "/models/m", "--suite", "chat"]
     for pair in (["--limit", "8"], ["--batches", "1", "16"], ["--methods", "plain", "rest"], ["--dtype", "bfloat16"]):
         assert any(argv[i:i + len(pair)] == pair for i in range(len(argv))), pair
-    main(["--engine", "vllm", "--suite", "chat"])
+    assert "--waves" not in argv
+    main(["--engine", "vllm", "--suite", "chat", "--vllm-waves", "2"])
     assert "--dtype" not in calls[1][1]  # not given: the vLLM benchmark's own default (float32)
+    assert calls[1][1][-2:] == ["--waves", "2"]
     main(["--engine", "vllm", "--suite", "humaneval", "chat"])  # both suites, as the docs' commands give them
     main(["--engine", "vllm"])  # the default: both
     assert calls[2][1][2:5] == calls[3][1][2:5] == ["--suite", "humaneval", "chat"]
@@ -987,6 +989,79 @@ def test_the_vllm_benchmark_measures_the_step_cost_first_where_rest_runs_and_non
     assert bench("rest_stores") == 0  # measured before: not again
     assert len(measured) == 1 and len(tables) == 2
     assert ran == ["rest_core.bench.vllm_bench"] * 3
+
+
+def test_waves_serve_distinct_prompts_on_engines_kept_up_together_the_methods_taking_turns(monkeypatch, tmp_path):
+    from rest_core.bench import vllm_bench
+
+    events = []
+
+    def start_method(model, spec, k, batch, engine=vllm_bench.ENGINE):
+        events.append(("start", spec))
+        return (None, {"error": "cannot start"}, tmp_path) if spec == "suffix" else (spec, {"k": k}, tmp_path)
+
+    def serve_suites(llm, spec, report, suites, batch, max_new_tokens):
+        events.append(("serve", spec, tuple(suites["chat"])))
+        return {f"chat/{batch}": {"tokens_per_s": 100.0 + len(events), "latency_p50_s": 1.0, "latency_p95_s": 1.0,
+                                  "tokens_per_step": 1.0, "outputs": {p: [1] for p in suites["chat"]}}}
+
+    monkeypatch.setattr(vllm_bench, "start_method", start_method)
+    monkeypatch.setattr(vllm_bench, "serve_suites", serve_suites)
+    monkeypatch.setattr(vllm_bench, "stop_method", lambda llm, report: events.append(("stop", llm)))
+    monkeypatch.setattr(vllm_bench, "TURN_PAUSE_S", 0.0)
+    prompts = {"chat": [f"p{i}" for i in range(6)]}
+    waves = vllm_bench.run_waves("m", ["plain", "rest", "suffix"], 8, prompts, 3, 2, 16, 128)
+    # every engine up before the first wave, each wave its own prompts, the order reversed at every other wave
+    assert [e[:2] for e in events[:3]] == [("start", "plain"), ("start", "rest"), ("start", "suffix")]
+    assert [e[1:] for e in events[3:9]] == [("plain", ("p0", "p1")), ("rest", ("p0", "p1")),
+                                            ("rest", ("p2", "p3")), ("plain", ("p2", "p3")),
+                                            ("plain", ("p4", "p5")), ("rest", ("p4", "p5"))]
+    assert events[9:] == [("stop", "plain"), ("stop", "rest")]  # what started is stopped, once
+    assert len(waves) == 3 and all(w["suffix"] == {"error": "cannot start", "runs": {}} for w in waves)
+    assert waves[1]["rest"]["runs"]["chat/16"]["outputs"] == {"p2": [1], "p3": [1]} and waves[1]["rest"]["k"] == 8
+    # the report: each wave a sample; a prompt's output compared with plain's in its own wave
+    from rest_core.bench.vllm_report import vllm_markdown
+
+    result = {"machine": bench_result({"plain": [1.0]})["machine"], "command": "bench",
+              "settings": {"max_new_tokens": 128, "k": 8, "engine": {}, "waves": 3, "limit": 2},
+              "rounds": [{m: w[m] for m in ("plain", "rest")} for w in waves]}
+    text = vllm_markdown(result)
+    assert "3 rounds: 1 x 3 waves of 2 distinct prompts" in text
+    assert next(line for line in text.splitlines() if line.startswith("| 16 | rest |")).endswith("| 6/6 |")
+    result["rounds"][2]["rest"]["runs"]["chat/16"]["outputs"]["p4"] = [2]
+    assert vllm_markdown(result).count("| 5/6 |") == 1
+
+
+def test_a_run_of_waves_keeps_every_wave_as_a_sample_of_its_round(monkeypatch, tmp_path):
+    from rest_core.bench import vllm_bench
+
+    orders = []
+
+    def run_waves(model, methods, k, suites, waves, limit, batch, max_new_tokens, engine=vllm_bench.ENGINE):
+        orders.append(list(methods))
+        return [{m: {"k": k, "runs": {f"chat/{batch}": {"wave": w, "order": len(orders)}}} for m in methods}
+                for w in range(waves)]
+
+    monkeypatch.setattr(vllm_bench, "run_waves", run_waves)
+    monkeypatch.setattr(vllm_bench, "machine", lambda: bench_result({"plain": [1.0]})["machine"])
+    monkeypatch.setattr(vllm_bench, "suite_prompts", lambda suite, tokenizer, limit, waves=1: [])
+    monkeypatch.setattr("rest_core.model.resolve_source", lambda model: ("x", "x"))
+    monkeypatch.setattr("rest_core.model.load_tokenizer", lambda model: None)
+    monkeypatch.setattr("rest_core.bench.vllm_report.vllm_markdown", lambda r: "")
+    vllm_bench.main(["--methods", "plain", "rest", "--batches", "16", "--rounds", "2", "--waves", "3",
+                     "--suite", "chat", "--out", str(tmp_path)])
+    rounds = json.loads((tmp_path / "results.json").read_text())["rounds"]
+    assert orders == [["plain", "rest"], ["rest", "plain"]]  # fresh engines each round, the order alternating
+    assert [r["rest"]["runs"]["chat/16"] for r in rounds] == [{"wave": w, "order": o} for o in (1, 2) for w in range(3)]
+
+
+def test_waves_need_a_suite_with_that_many_distinct_prompts(monkeypatch):
+    from rest_core.bench import vllm_bench
+
+    monkeypatch.setattr("rest_core.bench.suites.load_suite", lambda suite, tokenizer: list(range(42)))
+    assert vllm_bench.suite_prompts("humaneval", None, 16, 2) == list(range(32))
+    with pytest.raises(SystemExit, match="--waves 3 of --limit 16: the humaneval suite has 42 prompts, enough for 2"):
+        vllm_bench.suite_prompts("humaneval", None, 16, 3)
 
 
 def test_rounds_at_gives_one_batch_size_more_rounds_and_refuses_a_bad_request():

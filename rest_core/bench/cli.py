@@ -54,6 +54,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "METHOD@K gives a drafting method its own draft length (e.g. rest@16; the others: 8)")
     g.add_argument("--vllm-rounds-at", nargs="+", default=None, metavar="BATCH=N",
                    help="vllm: more rounds (interleaved) at these batch sizes than --repeats, e.g. 16=3")
+    g.add_argument("--vllm-waves", type=int, default=None, metavar="N",
+                   help="vllm: N samples a round side by side: one engine per method serves N waves of --limit "
+                        "distinct prompts, the methods taking turns")
     g.add_argument("--prompts", nargs="+", default=None, metavar="ID",
                    help="only the prompts with these ids (shell patterns work: 'explain-*'); before --limit")
     g.add_argument("--methods", nargs="+", default=None, choices=GREEDY_METHODS + (TRACED, TEXT_METHOD),
@@ -174,6 +177,8 @@ def _run_vllm(args: argparse.Namespace) -> int:
         argv += ["--methods", *args.vllm_methods]
     if args.vllm_rounds_at:
         argv += ["--rounds-at", *args.vllm_rounds_at]
+    if args.vllm_waves:
+        argv += ["--waves", str(args.vllm_waves)]
     if args.dtype:
         argv += ["--dtype", args.dtype]  # the served model's (vLLM's default here: float32, as REST Lab's on a CPU)
     if args.out:

@@ -18,6 +18,9 @@ token for token.  The order of methods alternates between rounds; `--rounds-at 1
 rounds than the others, and the report gives every cell's median over its rounds with their range.  With the default 16
 prompts a batch-16 cell is one wave of about 13 s: nothing replaces a finished request, so it ends with its slowest
 one; `--limit 40` keeps 16 requests in flight for most of the run (sustained load; docs/bench/vllm-zen4-load.md).
+`--waves N` takes N samples a round side by side in time: one engine per method, all up together, serve N waves
+of distinct prompts, the methods taking turns at every wave (on a host whose runs move by ±10% from one minute to
+the next, samples a few seconds apart; docs/bench/vllm-zen5-cores.md section 7).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from rest_base.files import read_json
 
@@ -47,6 +50,7 @@ DEFAULT_METHODS = METHODS[:4]  # the others are diagnoses: `empty`, `rest_stores
 # REST's proposer under each name, with the drafter's settings its engine starts with
 REST_VARIANTS = {"rest": {}, "rest_stores": {"REST_LAB_PREDICTIONS": "none"},
                  "rest_dense": {"REST_LAB_DENSE": "default"}, "rest_rs": {"REST_LAB_PLAIN_SAMPLING": "0"}}
+TURN_PAUSE_S = 1.0  # between two methods' turns in a wave run: the last engine's threads stop spinning and sleep
 PROPOSE_LOG = Path(tempfile.gettempdir()) / "rest-lab-propose.json"  # one file per run, named after it
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
             "vllm:spec_decode_num_accepted_tokens")
@@ -165,6 +169,16 @@ def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_
     """One method (`name` or `name@k`) at one batch size on a fresh engine: what a method caches across requests
     (suffix decoding's tree of past outputs, REST's history) holds only what this run served, never the answers
     of a run before."""
+    llm, rec, report = start_method(model, spec, k, batch, engine)
+    if llm is not None:
+        rec["runs"] = serve_suites(llm, spec, report, suites, batch, max_new_tokens)
+        stop_method(llm, report)
+    return rec
+
+
+def start_method(model: str, spec: str, k: int, batch: int, engine: dict = ENGINE) -> tuple[Any, dict, Path]:
+    """A fresh, warmed-up engine for one method (`name` or `name@k`), what its start says (or the error that
+    stopped it: no engine then) and the file its proposer reports to."""
     from vllm import LLM, SamplingParams
 
     method, own_k = method_spec(spec)
@@ -180,7 +194,7 @@ def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_
         llm = LLM(model, speculative_config=speculative_config(method, k), **engine,
                   **({"async_scheduling": False} if method == "plain_sync" else {}))
     except Exception as err:  # a method that cannot start (suffix without arctic-inference) is reported, not fatal
-        return {"error": f"{type(err).__name__}: {err}"}
+        return None, {"error": f"{type(err).__name__}: {err}"}, report
     finally:
         for name, value in kept.items():
             os.environ.pop(name, None)
@@ -192,19 +206,53 @@ def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_
            "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
     warm = [int(t) for t in range(1000, 1032)]  # one untimed request outside the suites: the engine warms up
     llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    return llm, rec, report
+
+
+def serve_suites(llm: Any, spec: str, report: Path, suites: dict, batch: int, max_new_tokens: int) -> dict:
+    """Each suite's prompts through the engine with `batch` requests in flight: a run per suite, keyed
+    'suite/batch'."""
+    runs = {}
     for suite, prompts in suites.items():
         load = os.getloadavg()[0]  # other programs' work on the machine, before and after the run
         drafter = read_json(report)
-        r = rec["runs"][f"{suite}/{batch}"] = run_batch(llm, prompts, batch, max_new_tokens)
+        r = runs[f"{suite}/{batch}"] = run_batch(llm, prompts, batch, max_new_tokens)
         r["load_average"] = [load, os.getloadavg()[0]]
         r.update(drafter_times(drafter, read_json(report)))
         print(f"  {spec:7s} {suite:9s} batch {batch:2d}: {r['tokens_per_s']:7.1f} tokens/s, "
               f"{r['tokens_per_step']:.2f} tokens/step", flush=True)
+    return runs
+
+
+def stop_method(llm: Any, report: Path) -> None:
     llm.llm_engine.engine_core.shutdown()
     report.unlink(missing_ok=True)
     del llm
     gc.collect()
-    return rec
+
+
+def run_waves(model: str, methods: list[str], k: int, suites: dict, waves: int, limit: int, batch: int,
+              max_new_tokens: int, engine: dict = ENGINE) -> list[dict]:
+    """`waves` samples of every method at one batch size, side by side in time: one engine per method, all up
+    together, serve the suites' prompts in waves of `limit` (wave w: prompts w * limit ..), the methods taking
+    turns at each wave (the order reversed at every other wave) with a pause between turns so that the engine
+    that just ran is idle.  A method's caches (REST's history, suffix decoding's tree) then hold the run's earlier
+    waves' answers, other prompts' answers, as a serving engine's would.  Per wave: {method: its record}."""
+    started = {m: start_method(model, m, k, batch, engine) for m in methods}
+    out = []
+    for w in range(waves):
+        part = {suite: prompts[w * limit:(w + 1) * limit] for suite, prompts in suites.items()}
+        out.append({})
+        for m in (methods if w % 2 == 0 else methods[::-1]):
+            llm, rec, report = started[m]
+            out[-1][m] = {**rec, "runs": {}}
+            if llm is not None:
+                time.sleep(TURN_PAUSE_S)
+                out[-1][m]["runs"] = serve_suites(llm, m, report, part, batch, max_new_tokens)
+    for llm, _, report in started.values():
+        if llm is not None:
+            stop_method(llm, report)
+    return out
 
 
 def machine() -> dict:
@@ -227,9 +275,9 @@ def machine() -> dict:
             "omp_bind": None if gpu else os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
 
 
-def suite_prompts(suite: str, tokenizer, limit: int) -> list:
-    """The first `limit` prompts of a suite; the chat suite's start with the benchmark's chat prompts, its other
-    prompts after them in the suite's order."""
+def suite_prompts(suite: str, tokenizer, limit: int, waves: int = 1) -> list:
+    """The first `limit` prompts of a suite (`limit` for each of `waves` waves); the chat suite's start with the
+    benchmark's chat prompts, its other prompts after them in the suite's order."""
     from rest_core.bench.suites import BENCHMARK_CHAT_PROMPTS, load_suite
 
     prompts = load_suite(suite, tokenizer)
@@ -238,7 +286,10 @@ def suite_prompts(suite: str, tokenizer, limit: int) -> list:
         prompts = [p for p in prompts if p.id in first] + [p for p in prompts if p.id not in first]
     if not 1 <= limit <= len(prompts):
         raise SystemExit(f"--limit {limit}: the {suite} suite has {len(prompts)} prompts; choose 1 to {len(prompts)}")
-    return prompts[:limit]
+    if waves < 1 or limit * waves > len(prompts):
+        raise SystemExit(f"--waves {waves} of --limit {limit}: the {suite} suite has {len(prompts)} prompts, enough "
+                         f"for {len(prompts) // limit} wave(s) of {limit}; lower --waves or --limit")
+    return prompts[:limit * waves]
 
 
 def rounds_per_batch(batches: list[int], rounds: int, rounds_at: list[str]) -> dict[int, int]:
@@ -269,6 +320,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--rounds-at", nargs="+", default=[], metavar="BATCH=N",
                     help="more rounds at these batch sizes (e.g. 16=3); the others get --rounds")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="samples per round side by side in time: one engine per method, all up together, serve "
+                         "WAVES waves of --limit distinct prompts each, the methods taking turns at every wave "
+                         "(the report's cells then hold rounds x waves samples; the suite needs limit x waves "
+                         "prompts)")
     ap.add_argument("--dtype", default=ENGINE["dtype"],
                     help="the served model's dtype (float32 as REST Lab's CPU decoder; bfloat16 is usual on a GPU)")
     ap.add_argument("--out", default=None)
@@ -282,7 +338,7 @@ def main(argv=None) -> int:
 
     _, model = resolve_source(args.model)
     tokenizer = load_tokenizer(args.model)
-    suites = {s: suite_prompts(s, tokenizer, args.limit) for s in args.suite}
+    suites = {s: suite_prompts(s, tokenizer, args.limit, args.waves) for s in args.suite}
     out = Path(args.out or Path("bench_out") / f"vllm-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": "python -m rest_core bench --engine vllm " + " ".join(argv or sys.argv[1:]),
@@ -290,13 +346,18 @@ def main(argv=None) -> int:
     rounds = rounds_per_batch(args.batches, args.rounds, args.rounds_at)
     for r in range(max(rounds.values())):
         order = args.methods if r % 2 == 0 else args.methods[::-1]
-        result["rounds"].append({m: {"runs": {}} for m in order})
+        samples = [{m: {"runs": {}} for m in order} for _ in range(args.waves)]
+        result["rounds"] += samples  # a round's waves, each a sample of every cell
         for batch in (b for b in args.batches if rounds[b] > r):  # the methods side by side at each batch size
-            for m in order:
-                got = run_method(model, m, args.k, suites, batch, args.max_new_tokens, engine)
-                into = result["rounds"][-1][m]
-                into["runs"].update(got.pop("runs", {}))
-                into.update(got)
+            if args.waves == 1:
+                waves = [{m: run_method(model, m, args.k, suites, batch, args.max_new_tokens, engine) for m in order}]
+            else:
+                waves = run_waves(model, order, args.k, suites, args.waves, args.limit, batch, args.max_new_tokens,
+                                  engine)
+            for sample, got in zip(samples, waves):
+                for m, rec in got.items():
+                    sample[m]["runs"].update(rec.pop("runs", {}))
+                    sample[m].update(rec)
             (out / "results.json").write_text(json.dumps(result, indent=1))
     from rest_core.bench.vllm_report import vllm_markdown
 

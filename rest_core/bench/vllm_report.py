@@ -15,7 +15,8 @@ def _identical(result: dict, method: str, key: str) -> tuple[int, int]:
     for run in _runs(result, method, key):
         for pid, tokens in run["outputs"].items():
             total += 1
-            same += all(p.get(pid) == tokens for p in plain)
+            seen = [p[pid] for p in plain if pid in p]  # plain's runs that served this prompt (its wave's)
+            same += bool(seen) and all(p == tokens for p in seen)
     return same, total
 
 
@@ -59,6 +60,16 @@ def machine_line(m: dict) -> str:
     return f"{cpu}; LD_PRELOAD={m['ld_preload'] or '-'}; VLLM_CPU_KVCACHE_SPACE={m['kv_cache_gb']} GB{cores}"
 
 
+def _samples(result: dict) -> str:
+    """How many samples a run took: rounds, or rounds of waves side by side (vllm_bench --waves)."""
+    waves = result["settings"].get("waves", 1)
+    if waves == 1:
+        return f"{len(result['rounds'])} round(s)"
+    return (f"{len(result['rounds'])} rounds: {len(result['rounds']) // waves} x {waves} waves of "
+            f"{result['settings']['limit']} distinct prompts, one engine per method up together, the methods taking "
+            f"turns at every wave")
+
+
 def vllm_markdown(result: dict) -> str:
     """One table per suite: per batch size and method, tokens/s (and against plain in the same round), latency,
     tokens per step, identical outputs."""
@@ -70,7 +81,7 @@ def vllm_markdown(result: dict) -> str:
              f"Command: `{result['command']}`", "",
              f"Greedy, {s['max_new_tokens']} new tokens, k = {s['k']} drafts at most per request and step "
              f"(METHOD@K: K), "
-             f"engine {s['engine']}; {len(result['rounds'])} round(s): medians over a cell's rounds, their range in "
+             f"engine {s['engine']}; {_samples(result)}: medians over a cell's rounds, their range in "
              f"brackets; × plain is the ratio to plain vLLM in the same round; ms/step is the wall time per engine "
              f"step, propose()'s own share of it in brackets (REST's drafter reports it).", ""]
     loads = [x for r in result["rounds"] for rec in r.values() for run in rec.get("runs", {}).values()
