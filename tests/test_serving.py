@@ -1055,6 +1055,19 @@ def test_a_run_of_waves_keeps_every_wave_as_a_sample_of_its_round(monkeypatch, t
     assert [r["rest"]["runs"]["chat/16"] for r in rounds] == [{"wave": w, "order": o} for o in (1, 2) for w in range(3)]
 
 
+def test_engines_up_together_on_a_gpu_share_its_memory(monkeypatch):
+    import torch
+
+    from rest_core.bench.vllm_bench import ENGINE, sharing_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert sharing_engine(ENGINE, 2)["gpu_memory_utilization"] == 0.45
+    assert sharing_engine({**ENGINE, "gpu_memory_utilization": 0.6}, 3)["gpu_memory_utilization"] == 0.2
+    assert sharing_engine(ENGINE, 1) == ENGINE
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sharing_engine(ENGINE, 2) == ENGINE  # a CPU engine's cache is set apart by VLLM_CPU_KVCACHE_SPACE
+
+
 def test_waves_need_a_suite_with_that_many_distinct_prompts(monkeypatch):
     from rest_core.bench import vllm_bench
 
@@ -1289,23 +1302,25 @@ def test_the_benchmark_s_serving_loop_keeps_the_batch_full_and_records_each_step
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
 
-    class Engine:
+    class Engine:  # request "1" keeps a draft at its first step: two tokens in one step
         def __init__(self):
-            self.left, self.most = {}, 0
+            self.left, self.most, self.tokens = {}, 0, {}
 
         def add_request(self, rid, prompt, params):
             self.left[rid] = len(prompt["prompt_token_ids"])
             self.most = max(self.most, len(self.left))
+            self.tokens[rid] = []
 
         def step(self):
             outs = []
             for rid in list(self.left):
                 self.left[rid] -= 1
+                self.tokens[rid] += [int(rid)] * (2 if rid == "1" and not self.tokens[rid] else 1)
                 done = self.left[rid] == 0
                 if done:
                     del self.left[rid]
                 outs.append(SimpleNamespace(request_id=rid, finished=done,
-                                            outputs=[SimpleNamespace(token_ids=[int(rid)])]))
+                                            outputs=[SimpleNamespace(token_ids=list(self.tokens[rid]))]))
             return outs
 
     engine = Engine()
@@ -1317,7 +1332,9 @@ def test_the_benchmark_s_serving_loop_keeps_the_batch_full_and_records_each_step
     assert got["engine_steps"] == len(steps) == 3  # p0 ends at step 2, p2 joins and ends at 3 with p1
     assert [finished for _, finished in steps] == [0, 1, 2]
     assert all(ms >= 0 for ms, _ in steps)
-    assert got["outputs"] == {"p0": [0], "p1": [1], "p2": [2]}
+    assert got["outputs"] == {"p0": [0, 0], "p1": [1, 1, 1, 1], "p2": [2]}
+    # tokens per request and step, from the outputs (vLLM's counters are the last engine made's alone)
+    assert got["request_steps"] == 6 and got["tokens_per_step"] == pytest.approx(7 / 6)
     assert run_batch(llm, prompts, batch=3, max_new_tokens=8)["engine_steps"] == 3  # no steps list: not needed
 
 

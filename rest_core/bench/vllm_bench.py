@@ -110,7 +110,8 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int, steps: Optional[lis
     before = counters(llm)
     waiting = list(range(len(prompts)))
     started, done = {}, {}
-    n_steps = 0
+    produced: dict[str, int] = {}  # tokens each request has so far, as the engine's outputs said
+    n_steps = request_steps = 0
     t0 = time.perf_counter()
     while waiting or len(done) < len(prompts):
         while waiting and len(started) - len(done) < batch:
@@ -123,6 +124,10 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int, steps: Optional[lis
         if steps is not None:
             steps.append(((time.perf_counter() - start) * 1e3, sum(out.finished for out in outs)))
         for out in outs:
+            n = len(out.outputs[0].token_ids)
+            if n > produced.get(out.request_id, 0):  # a step in which this request got tokens
+                produced[out.request_id] = n
+                request_steps += 1
             if out.finished:
                 i = int(out.request_id)
                 done[i] = (list(out.outputs[0].token_ids), time.perf_counter() - started[i])
@@ -130,12 +135,13 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int, steps: Optional[lis
     after = counters(llm)
     delta = {k.split(":")[1]: after[k] - before[k] for k in COUNTERS}
     tokens = sum(len(done[i][0]) for i in done)
-    accepted = delta["spec_decode_num_accepted_tokens"]
     latencies = sorted(done[i][1] for i in done)
     return {"batch": batch, "wall_s": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall,
             "latency_p50_s": statistics.median(latencies),
             "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
-            "tokens_per_step": tokens / max(tokens - accepted, 1), "engine_steps": n_steps,
+            # per request and step that gave it tokens: 1 + its drafts kept (vLLM's counters say as much for the
+            # engine made last in this process only: its metrics are the process's)
+            "tokens_per_step": tokens / max(request_steps, 1), "request_steps": request_steps, "engine_steps": n_steps,
             "ms_per_engine_step": 1e3 * wall / max(n_steps, 1), **delta,
             "outputs": {prompts[i].id: done[i][0] for i in sorted(done)}}
 
@@ -231,6 +237,16 @@ def stop_method(llm: Any, report: Path) -> None:
     gc.collect()
 
 
+def sharing_engine(engine: dict, engines: int) -> dict:
+    """The engine settings for `engines` engines up together: on a GPU each takes its share of the memory vLLM
+    takes for one (gpu_memory_utilization, 0.9 unless given); a CPU engine's cache is VLLM_CPU_KVCACHE_SPACE."""
+    import torch
+
+    if engines < 2 or not torch.cuda.is_available():
+        return engine
+    return {**engine, "gpu_memory_utilization": round(engine.get("gpu_memory_utilization", 0.9) / engines, 3)}
+
+
 def run_waves(model: str, methods: list[str], k: int, suites: dict, waves: int, limit: int, batch: int,
               max_new_tokens: int, engine: dict = ENGINE) -> list[dict]:
     """`waves` samples of every method at one batch size, side by side in time: one engine per method, all up
@@ -238,6 +254,7 @@ def run_waves(model: str, methods: list[str], k: int, suites: dict, waves: int, 
     turns at each wave (the order reversed at every other wave) with a pause between turns so that the engine
     that just ran is idle.  A method's caches (REST's history, suffix decoding's tree) then hold the run's earlier
     waves' answers, other prompts' answers, as a serving engine's would.  Per wave: {method: its record}."""
+    engine = sharing_engine(engine, len(methods))
     started = {m: start_method(model, m, k, batch, engine) for m in methods}
     out = []
     for w in range(waves):
