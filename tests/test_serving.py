@@ -877,6 +877,14 @@ def test_the_report_gives_each_cell_its_median_and_range_against_plain_in_the_sa
     assert "| 110.0 (100.0-120.0) | 1.00× (1.00-1.00) |" in plain
     one = vllm_markdown(bench_result({"plain": [100.0], "rest": [97.0]}))
     assert "| 97.0 | 0.97× |" in one  # a single round: no range
+    # five samples or more: the ratios' geometric mean and a 90% bootstrap interval of it, the same each time
+    many = bench_result({"plain": [100.0] * 6, "rest": [90.0, 95.0, 100.0, 105.0, 110.0, 130.0]})
+    rest = next(line for line in vllm_markdown(many).splitlines() if line.startswith("| 16 | rest |"))
+    cell = rest.split("|")[4].strip()
+    assert cell.startswith("1.02× (0.90-1.30; mean 1.04×, 90% ") and cell == rest.split("|")[4].strip()
+    low, high = (float(x) for x in cell.split("90% ")[1].rstrip(")").split("-"))
+    assert 0.95 < low < 1.04 < high < 1.2
+    assert vllm_markdown(many) == vllm_markdown(many)
 
 
 def test_the_report_names_the_gpu_a_run_measured_and_the_cpu_settings_only_without_one():

@@ -1,6 +1,8 @@
 """The vLLM benchmark's results as Markdown (rest_core.bench.vllm_bench writes results.json, this reads it)."""
 from __future__ import annotations
 
+import math
+import random
 import statistics
 
 
@@ -35,6 +37,30 @@ def _spread(values: list[float], unit: str = "") -> str:
     if len(values) > 1:
         text += f" ({min(values):.{2 if unit else 1}f}-{max(values):.{2 if unit else 1}f})"
     return text
+
+
+INTERVAL_FROM = 5  # paired samples from which a cell's ratio to plain also gets its mean and 90% interval
+RESAMPLES = 2000
+
+
+def _interval(ratios: list[float]) -> str:
+    """The ratios' geometric mean and a 90% bootstrap interval of it (seeded: the same results give the same
+    interval), where there are INTERVAL_FROM or more: '; mean 1.01×, 90% 0.98-1.04'."""
+    if len(ratios) < INTERVAL_FROM or min(ratios) == max(ratios):  # plain against itself: nothing to add
+        return ""
+    logs = [math.log(r) for r in ratios]
+    pick = random.Random(0)
+    means = sorted(statistics.fmean(pick.choices(logs, k=len(logs))) for _ in range(RESAMPLES))
+    low, high = means[int(0.05 * RESAMPLES)], means[int(0.95 * RESAMPLES) - 1]
+    return f"; mean {math.exp(statistics.fmean(logs)):.2f}×, 90% {math.exp(low):.2f}-{math.exp(high):.2f}"
+
+
+def _ratio_cell(ratios: list[float]) -> str:
+    """The ratio to plain: median and range, and with enough samples the mean and its 90% interval inside the
+    brackets."""
+    text = _spread(ratios, "×")
+    extra = _interval(ratios)
+    return text[:-1] + extra + ")" if extra and text.endswith(")") else text
 
 
 def _step_ms(runs: list[dict]) -> str:
@@ -83,7 +109,9 @@ def vllm_markdown(result: dict) -> str:
              f"(METHOD@K: K), "
              f"engine {s['engine']}; {_samples(result)}: medians over a cell's rounds, their range in "
              f"brackets; × plain is the ratio to plain vLLM in the same round; ms/step is the wall time per engine "
-             f"step, propose()'s own share of it in brackets (REST's drafter reports it).", ""]
+             f"step, propose()'s own share of it in brackets (REST's drafter reports it); with {INTERVAL_FROM} "
+             f"samples or more, × plain also gives the geometric mean of the ratios and a 90% bootstrap interval "
+             f"of it.", ""]
     loads = [x for r in result["rounds"] for rec in r.values() for run in rec.get("runs", {}).values()
              for x in run.get("load_average", ())]
     if loads:
@@ -106,7 +134,7 @@ def vllm_markdown(result: dict) -> str:
                 tps = [r["tokens_per_s"] for r in runs]
                 same, total = _identical(result, method, key)
                 lines.append(f"| {key.split('/')[1]} | {method} | {_spread(tps)} | "
-                             f"{_spread(_ratios(result, method, key), '×')} | "
+                             f"{_ratio_cell(_ratios(result, method, key))} | "
                              f"{statistics.median(r['latency_p50_s'] for r in runs):.2f} | "
                              f"{statistics.median(r['latency_p95_s'] for r in runs):.2f} | "
                              f"{statistics.median(r['tokens_per_step'] for r in runs):.2f} | {_step_ms(runs)} | "
