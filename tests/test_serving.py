@@ -223,6 +223,52 @@ def test_a_step_that_looks_nothing_up_defers_indexing_the_request_s_tokens(tmp_p
     assert drafter.history.answers()[-1].tolist() == [6, 7, 8, 9]  # its whole output joins the history
 
 
+def test_drafting_s_own_time_is_weighed_from_steps_of_about_the_batch_s_size():
+    from rest_core.serving.live import MIN_EACH, PROPOSE_STALE, ProposeTime
+
+    times = ProposeTime()
+    for _ in range(10):
+        times.add(False, 16, 0.32)  # following 16 requests: 0.02 ms each
+    for _ in range(MIN_EACH):
+        times.add(True, 1, 1.42)  # a batch of one's lookups: 1.4 ms more, most of it spent once a step
+    assert times.plain_ms(16) == pytest.approx(0.32)
+    assert times.drafting_ms(1) == pytest.approx(1.42 - 0.02)
+    assert times.drafting_ms(16) == 0.0  # nothing timed at about 16: drafting is tried there
+    for batch in (16, 20, 17):
+        times.add(True, batch, 0.25 * batch)
+    assert times.drafting_ms(16) == pytest.approx(16 * 0.25 - 0.32)  # 16-31 weighed together
+    assert times.drafting_ms(8) == 0.0
+    for _ in range(PROPOSE_STALE):
+        times.add(False, 16, 0.32)
+    assert times.drafting_ms(16) == times.drafting_ms(1) == 0.0  # forgotten: tried again
+
+
+def test_whether_drafting_pays_is_weighed_again_only_when_what_it_weighs_changes(tmp_path, monkeypatch):
+    import rest_core.serving.drafter as drafter_module
+
+    dear = StepCost(BATCHES, DRAFTS, tuple(tuple(50.0 * b + 1e4 * k for k in DRAFTS) for b in BATCHES))
+    drafter = make_drafter(tmp_path, cost=dear)
+    weighed = []
+    real = drafter_module.typical_pay
+    monkeypatch.setattr(drafter_module, "typical_pay", lambda *a: weighed.append(a[2]) or real(*a))
+    monkeypatch.setattr(drafter.propose_time, "plain_ms", lambda requests: 0.3)  # propose() as fast every step
+    seq = [3, 4, 5, 6]
+    for t in range(7, 14):  # the same two requests step after step, nothing looked up
+        drafter.step(["a", "b"], [[t - 1], [t - 1]], [len(seq)] * 2, rows(seq, seq))
+        seq.append(t)
+        if t == 8:  # the first timed step set the step cost's level: weighed then, and not again after
+            assert weighed == [2, 2]
+    assert weighed == [2, 2] and drafter.stats["drafting_steps"] == 0
+    drafter.step(["a"], [[seq[-1]]], [len(seq)], rows(seq))  # the batch shrank: weighed again
+    assert weighed == [2, 2, 1]
+    drafter.cost.fits += 1  # the step cost was fitted anew: weighed again
+    drafter.step(["a"], [[1]], [len(seq) + 1], rows(seq + [1]))
+    assert weighed == [2, 2, 1, 1]
+    drafter.recent.add([0.9, 0.9])  # a new chain among the recent ones: weighed again
+    drafter.step(["a"], [[2]], [len(seq) + 2], rows(seq + [1, 2]))
+    assert weighed == [2, 2, 1, 1, 1]
+
+
 def test_request_states_follow_completion_preemption_and_thousands_of_requests(tmp_path):
     drafter = make_drafter(tmp_path)
     drafter.step(["a", "b"], [[6], [6]], [4, 4], rows([3, 4, 5, 6], [9, 4, 5, 6]))
@@ -1454,3 +1500,22 @@ def test_the_drafter_weighs_each_step_with_the_propose_call_that_prepared_it(tmp
     calls = []
     monkeypatch.setattr(drafter, "_chain", lambda *a: calls.append(a))
     assert serve(drafter, clock, lambda b, d: 50.0, steps=3, name="x") == [0, 0, 0] and calls == []
+
+
+def test_pooled_samples_pair_each_method_with_plain_sample_by_sample_and_pick_waves():
+    """tools/vllm_pool.py: the ratios of a run with --waves, all of them, without each round's first wave, or the
+    first waves alone; a sample where a method did not run is left out."""
+    from conftest import tool
+
+    pool = tool("vllm_pool")
+
+    def sample(plain, rest):
+        return {"plain": {"runs": {"chat/16": {"tokens_per_s": plain}}},
+                "rest": {"runs": {} if rest is None else {"chat/16": {"tokens_per_s": rest}}}}
+
+    result = {"settings": {"waves": 2},
+              "rounds": [sample(100, 90), sample(100, 110), sample(200, 220), sample(100, None)]}
+    assert pool.samples(result, "rest", "chat/16") == pytest.approx([0.9, 1.1, 1.1])
+    assert pool.samples(result, "rest", "chat/16", waves_from=1) == pytest.approx([1.1])
+    assert pool.samples(result, "rest", "chat/16", first_wave=True) == pytest.approx([0.9, 1.1])
+    assert pool.samples({"settings": {}, "rounds": result["rounds"]}, "rest", "humaneval/16") == []

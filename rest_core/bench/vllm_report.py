@@ -43,7 +43,7 @@ INTERVAL_FROM = 5  # paired samples from which a cell's ratio to plain also gets
 RESAMPLES = 2000
 
 
-def _interval(ratios: list[float]) -> str:
+def ratio_interval(ratios: list[float]) -> str:
     """The ratios' geometric mean and a 90% bootstrap interval of it (seeded: the same results give the same
     interval), where there are INTERVAL_FROM or more: '; mean 1.01×, 90% 0.98-1.04'."""
     if len(ratios) < INTERVAL_FROM or min(ratios) == max(ratios):  # plain against itself: nothing to add
@@ -59,7 +59,7 @@ def _ratio_cell(ratios: list[float]) -> str:
     """The ratio to plain: median and range, and with enough samples the mean and its 90% interval inside the
     brackets."""
     text = _spread(ratios, "×")
-    extra = _interval(ratios)
+    extra = ratio_interval(ratios)
     return text[:-1] + extra + ")" if extra and text.endswith(")") else text
 
 

@@ -77,6 +77,7 @@ class LiveStepCost:
         self._scale: dict[int, tuple[float, int]] = {}  # batch size -> (factor on its shape, step it was fitted at)
         self._unfitted: dict[int, int] = {}  # batch size -> its steps observed since its last fit
         self._step = 0
+        self.fits = 0  # how many times a batch size's fit was made or dropped: the shape changed
 
     def extra(self, batch: int, drafts: np.ndarray) -> np.ndarray:
         """The calibrated extra cost of these draft counts at this batch size, in plain steps (with the floor)."""
@@ -102,6 +103,7 @@ class LiveStepCost:
             self._fit(batch, steps)
         for b in [b for b, (_, at) in self._scale.items() if at <= self._step - STALE_STEPS]:
             del self._scale[b]
+            self.fits += 1
         self._levels.append(ms / self._shape_at(batch, drafts))
         self.level = statistics.median(self._levels)
 
@@ -119,6 +121,7 @@ class LiveStepCost:
         fit = theil_sen(x, np.array([s[2] for s in steps]))
         if fit is not None and fit[0] > 0:
             self._scale[batch] = (min(max(fit[1] / fit[0], 0.0), MAX_SCALE), self._step)
+            self.fits += 1
 
     def _shape(self, batch: int, drafts: np.ndarray) -> np.ndarray:
         """T at level 1: the calibrated plain step times (1 + the fitted factor times the extra cost), or the
@@ -160,17 +163,24 @@ class ProposeTime:
     the newest PROPOSE_STEPS of each.  Drafting's measurements older than PROPOSE_STALE steps are forgotten (until
     drafting runs again it is assumed to cost nothing more), so one slow call -- the first look into a store the
     page cache had dropped, a native library built on first use -- cannot keep drafting off for good (until
-    MIN_EACH drafting steps were timed, drafting is taken to cost nothing more, so that it is tried)."""
+    MIN_EACH drafting steps were timed, drafting is taken to cost nothing more, so that it is tried).  Drafting is
+    weighed per group of batch sizes (batch_group): a lookup step's time per request holds what the step spends
+    once, whatever its size, so a batch of one's (the engine's warm-up request's, say) says little of a batch of
+    16's (1.4 ms a request at 1, 0.25 at 16 on a 2-core Zen 5), and taken for it kept drafting off for the first
+    PROPOSE_STALE steps of a full batch."""
 
     def __init__(self):
-        self._drafting: deque = deque(maxlen=PROPOSE_STEPS)  # (step, ms per request)
-        self._plain: deque = deque(maxlen=PROPOSE_STEPS)
+        self._drafting: deque = deque(maxlen=PROPOSE_STEPS)  # (step, batch group, ms per request)
+        self._plain: deque = deque(maxlen=PROPOSE_STEPS)  # (step, ms per request)
         self._step = 0
 
     def add(self, drafting: bool, requests: int, ms: float) -> None:
         self._step += 1
         if requests > 0:
-            (self._drafting if drafting else self._plain).append((self._step, ms / requests))
+            if drafting:
+                self._drafting.append((self._step, batch_group(requests), ms / requests))
+            else:
+                self._plain.append((self._step, ms / requests))
         while self._drafting and self._drafting[0][0] <= self._step - PROPOSE_STALE:
             self._drafting.popleft()
 
@@ -179,11 +189,13 @@ class ProposeTime:
         return requests * statistics.median([ms for _, ms in self._plain]) if self._plain else 0.0
 
     def drafting_ms(self, requests: int) -> float:
-        """What drafting adds to propose() in a step over this many requests."""
-        if len(self._drafting) < MIN_EACH:  # too few to outvote a first slow call: drafting is tried
+        """What drafting adds to propose() in a step over this many requests, from drafting steps of about as many
+        (the same batch_group)."""
+        group = batch_group(requests)
+        near = [ms for _, g, ms in self._drafting if g == group]
+        if len(near) < MIN_EACH:  # too few to outvote a first slow call: drafting is tried
             return 0.0
-        per_request = statistics.median([ms for _, ms in self._drafting])
-        return max(0.0, requests * per_request - self.plain_ms(requests))
+        return max(0.0, requests * statistics.median(near) - self.plain_ms(requests))
 
 
 class RecentChains:
