@@ -1080,7 +1080,7 @@ def test_waves_serve_distinct_prompts_on_engines_kept_up_together_the_methods_ta
               "settings": {"max_new_tokens": 128, "k": 8, "engine": {}, "waves": 3, "limit": 2},
               "rounds": [{m: w[m] for m in ("plain", "rest")} for w in waves]}
     text = vllm_markdown(result)
-    assert "3 rounds: 1 x 3 waves of 2 distinct prompts" in text
+    assert "3 samples: 1 round(s) x 3 waves of 2 distinct prompts" in text
     assert next(line for line in text.splitlines() if line.startswith("| 16 | rest |")).endswith("| 6/6 |")
     result["rounds"][2]["rest"]["runs"]["chat/16"]["outputs"]["p4"] = [2]
     assert vllm_markdown(result).count("| 5/6 |") == 1

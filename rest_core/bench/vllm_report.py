@@ -91,7 +91,7 @@ def _samples(result: dict) -> str:
     waves = result["settings"].get("waves", 1)
     if waves == 1:
         return f"{len(result['rounds'])} round(s)"
-    return (f"{len(result['rounds'])} rounds: {len(result['rounds']) // waves} x {waves} waves of "
+    return (f"{len(result['rounds'])} samples: {len(result['rounds']) // waves} round(s) x {waves} waves of "
             f"{result['settings']['limit']} distinct prompts, one engine per method up together, the methods taking "
             f"turns at every wave")
 
