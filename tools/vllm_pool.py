@@ -18,21 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rest_core.bench.vllm_report import ratio_interval
+from rest_core.bench.vllm_report import ratio_interval, ratios
 
 
 def samples(result: dict, method: str, cell: str, waves_from: int = 0, first_wave: bool = False) -> list[float]:
     """The run's ratios of `method` to plain in `cell`, sample by sample (with --waves: the waves a round kept)."""
     waves = result["settings"].get("waves", 1)
-    out = []
-    for i, sample in enumerate(result["rounds"]):
-        wave = i % waves
-        if (first_wave and wave) or wave < waves_from:
-            continue
-        runs, plain = sample.get(method, {}).get("runs", {}), sample.get("plain", {}).get("runs", {})
-        if cell in runs and cell in plain:
-            out.append(runs[cell]["tokens_per_s"] / plain[cell]["tokens_per_s"])
-    return out
+    kept = [sample for i, sample in enumerate(result["rounds"])
+            if i % waves >= waves_from and not (first_wave and i % waves)]
+    return ratios({**result, "rounds": kept}, method, cell)
 
 
 def main(argv=None) -> int:

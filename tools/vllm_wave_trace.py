@@ -88,9 +88,9 @@ def main(argv=None) -> int:
     ap.add_argument("--all-steps", action="store_true", help="print every step of REST's trace")
     args = ap.parse_args(argv)
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    from rest_core.bench.vllm_bench import ENGINE, run_batch, speculative_config, suite_prompts
+    from rest_core.bench.vllm_bench import ENGINE, run_batch, speculative_config, suite_prompts, warm_up
     from rest_core.machine import cpu_info, cpu_line
     from rest_core.model import load_tokenizer
 
@@ -105,8 +105,7 @@ def main(argv=None) -> int:
         if method == "rest":
             spec = {**spec, "model": "vllm_wave_trace.TracedRest"}
         llm = LLM(args.model, speculative_config=spec, **ENGINE)
-        warm = list(range(1000, 1032))  # as the benchmark: one untimed request outside the suites
-        llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        warm_up(llm)  # as the benchmark
         skip = len(trace.read_text().splitlines()) if trace.exists() else 0
         timeline: list = []
         got = run_batch(llm, prompts, args.batch, args.max_new_tokens, steps=timeline)
@@ -134,5 +133,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from rest_core.serving.launch import set_vllm_defaults
+
+    set_vllm_defaults()  # as the benchmark's engines: a bounded cache, every core for the model
     sys.exit(main())

@@ -4,23 +4,24 @@
 
 (which runs `python -m rest_core.bench.vllm_bench` in .venv-vllm).
 
-Methods: `plain` (no drafting), `ngram` (vLLM's prompt lookup, k tokens, n-grams of 1-4), `suffix`
-(SuffixDecoding, where arctic-inference is installed), `rest` (rest_core.vllm.RestProposer) and, asked for by name,
-`empty` (a custom proposer that never drafts: vLLM's drafting path alone, the floor under REST when it drafts
-nothing), `rest_stores` (REST without the model's predictions), `rest_dense` (REST with the dense store) and
-`plain_sync` (plain with vLLM's async scheduling off, as vLLM runs every custom proposer: what of the floor that
-costs).  Every method gets a fresh engine at every batch size (so what suffix decoding and REST keep of past
-outputs holds only this run's), the methods side by side per batch size; the suite's prompts run with that many
-requests in flight (a finished request is replaced at once, as a server's load would be).  Measured: aggregate
-tokens/s, each request's latency (submission to last token; p50 / p95), mean tokens per step per request (the new
-tokens over the request-steps, from vLLM's own drafting counters), and whether every output equals plain vLLM's,
-token for token.  The order of methods alternates between rounds; `--rounds-at 16=3` gives one batch size more
-rounds than the others, and the report gives every cell's median over its rounds with their range.  With the default 16
-prompts a batch-16 cell is one wave of about 13 s: nothing replaces a finished request, so it ends with its slowest
-one; `--limit 40` keeps 16 requests in flight for most of the run (sustained load; docs/bench/vllm-zen4-load.md).
-`--waves N` takes N samples a round side by side in time: one engine per method, all up together, serve N waves
-of distinct prompts, the methods taking turns at every wave (on a host whose runs move by ±10% from one minute to
-the next, samples a few seconds apart; docs/bench/vllm-zen5-cores.md section 7).
+Methods: `plain` (no drafting), `ngram` (vLLM's prompt lookup, k tokens, n-grams of 1-4), `suffix` (SuffixDecoding,
+where arctic-inference is installed), `rest` (rest_core.vllm.RestProposer) and, asked for by name, `empty` (a custom
+proposer that never drafts: vLLM's drafting path alone, the floor under REST when it drafts nothing), `rest_stores`
+(REST without the model's predictions), `rest_dense` (REST with the dense store), `rest_rs` (REST with every step
+sampled by vLLM's rejection sampler) and `plain_sync` (plain with vLLM's async scheduling off, as vLLM runs every
+custom proposer: what of the floor that costs). Every method gets a fresh engine at every batch size and round (so
+what suffix decoding and REST keep of past outputs holds only this run's), the methods side by side per batch size;
+the suite's prompts run with that many requests in flight (a finished request is replaced at once, as a server's load
+would be). Measured: aggregate tokens/s, each request's latency (submission to last token; p50 / p95), mean tokens per
+step per request (the new tokens over the steps that gave each request tokens, read from the engine's outputs), and
+whether every output equals plain vLLM's, token for token. The order of methods alternates between rounds;
+`--rounds-at 16=3` gives one batch size more rounds than the others, and the report gives every cell's median over its
+rounds with their range. With the default 16 prompts a batch-16 cell is one wave of about 13 s: nothing replaces a
+finished request, so it ends with its slowest one; `--limit 40` keeps 16 requests in flight for most of the run
+(sustained load; docs/bench/vllm-zen4-load.md). `--waves N` takes N samples a round side by side in time: one engine
+per method, all up together, serve N waves of distinct prompts, the methods taking turns at every wave (on a host
+where one wave moves by ±10-20% from the next, many paired samples a few seconds apart; docs/bench/vllm-zen5-cores.md
+section 7).
 """
 from __future__ import annotations
 
@@ -50,10 +51,9 @@ DEFAULT_METHODS = METHODS[:4]  # the others are diagnoses: `empty`, `rest_stores
 # REST's proposer under each name, with the drafter's settings its engine starts with
 REST_VARIANTS = {"rest": {}, "rest_stores": {"REST_LAB_PREDICTIONS": "none"},
                  "rest_dense": {"REST_LAB_DENSE": "default"}, "rest_rs": {"REST_LAB_PLAIN_SAMPLING": "0"}}
-TURN_PAUSE_S = 1.0  # between two methods' turns in a wave run: the last engine's threads stop spinning and sleep
+TURN_PAUSE_S = 1.0  # between two methods' turns in a wave run: the engine that ran goes idle first (Intel OpenMP
+# keeps its workers spinning 200 ms after their last work by default, KMP_BLOCKTIME)
 PROPOSE_LOG = Path(tempfile.gettempdir()) / "rest-lab-propose.json"  # one file per run, named after it
-COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-            "vllm:spec_decode_num_accepted_tokens")
 
 
 def method_spec(spec: str) -> tuple[str, int | None]:
@@ -91,8 +91,10 @@ def engine_settings(dtype: str) -> dict:
             "max_model_len": ENGINE["max_model_len"], "enforce_eager": ENGINE["enforce_eager"]}
 
 
-def counters(llm) -> dict[str, float]:
-    found = {name: 0.0 for name in COUNTERS}
+def counters(llm, names: tuple = ("vllm:spec_decode_num_accepted_tokens",)) -> dict[str, float]:
+    """vLLM's counters of these names, summed over their labels.  They are the process's: with several engines in
+    one process they count the engine made last."""
+    found = {name: 0.0 for name in names}
     for metric in llm.get_metrics():
         if metric.name in found and hasattr(metric, "value"):
             found[metric.name] += float(metric.value)
@@ -107,7 +109,6 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int, steps: Optional[lis
 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
-    before = counters(llm)
     waiting = list(range(len(prompts)))
     started, done = {}, {}
     produced: dict[str, int] = {}  # tokens each request has so far, as the engine's outputs said
@@ -132,17 +133,15 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int, steps: Optional[lis
                 i = int(out.request_id)
                 done[i] = (list(out.outputs[0].token_ids), time.perf_counter() - started[i])
     wall = time.perf_counter() - t0
-    after = counters(llm)
-    delta = {k.split(":")[1]: after[k] - before[k] for k in COUNTERS}
     tokens = sum(len(done[i][0]) for i in done)
     latencies = sorted(done[i][1] for i in done)
     return {"batch": batch, "wall_s": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall,
             "latency_p50_s": statistics.median(latencies),
             "latency_p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
-            # per request and step that gave it tokens: 1 + its drafts kept (vLLM's counters say as much for the
-            # engine made last in this process only: its metrics are the process's)
+            # per request and step that gave it tokens: 1 + its drafts kept, read from the outputs (vLLM's counters
+            # would say as much, for the engine made last in this process only: `counters`)
             "tokens_per_step": tokens / max(request_steps, 1), "request_steps": request_steps, "engine_steps": n_steps,
-            "ms_per_engine_step": 1e3 * wall / max(n_steps, 1), **delta,
+            "ms_per_engine_step": 1e3 * wall / max(n_steps, 1),
             "outputs": {prompts[i].id: done[i][0] for i in sorted(done)}}
 
 
@@ -185,7 +184,7 @@ def run_method(model: str, spec: str, k: int, suites: dict, batch: int, max_new_
 def start_method(model: str, spec: str, k: int, batch: int, engine: dict = ENGINE) -> tuple[Any, dict, Path]:
     """A fresh, warmed-up engine for one method (`name` or `name@k`), what its start says (or the error that
     stopped it: no engine then) and the file its proposer reports to."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     method, own_k = method_spec(spec)
     k = own_k or k
@@ -210,9 +209,16 @@ def start_method(model: str, spec: str, k: int, batch: int, engine: dict = ENGIN
     # custom proposer, whose drafts need the step's tokens first, and (vLLM 0.32) not on CPU for plain either
     rec = {"startup_s": time.perf_counter() - t0, "k": k, "runs": {},
            "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)}
-    warm = [int(t) for t in range(1000, 1032)]  # one untimed request outside the suites: the engine warms up
-    llm.generate([{"prompt_token_ids": warm}], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    warm_up(llm)
     return llm, rec, report
+
+
+def warm_up(llm: Any) -> None:
+    """One untimed request outside the suites: the engine (and its proposer) warms up before a timed run."""
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": list(range(1000, 1032))}], SamplingParams(temperature=0, max_tokens=16),
+                 use_tqdm=False)
 
 
 def serve_suites(llm: Any, spec: str, report: Path, suites: dict, batch: int, max_new_tokens: int) -> dict:

@@ -22,20 +22,21 @@ def _identical(result: dict, method: str, key: str) -> tuple[int, int]:
     return same, total
 
 
-def _ratios(result: dict, method: str, key: str) -> list[float]:
+def ratios(result: dict, method: str, key: str) -> list[float]:
     """tokens/s against plain vLLM's in the same round, per round that ran both."""
     return [r[method]["runs"][key]["tokens_per_s"] / r["plain"]["runs"][key]["tokens_per_s"]
             for r in result["rounds"] if key in r.get(method, {}).get("runs", {})
             and key in r.get("plain", {}).get("runs", {})]
 
 
-def _spread(values: list[float], unit: str = "") -> str:
-    """The median, and the range where there is more than one value: '1.02× (0.97-1.05)'."""
+def _spread(values: list[float], unit: str = "", more: str = "") -> str:
+    """The median, and the range where there is more than one value: '1.02× (0.97-1.05)'; `more` goes inside
+    the brackets after the range."""
     if not values:
         return "-"
     text = f"{statistics.median(values):.{2 if unit else 1}f}{unit}"
     if len(values) > 1:
-        text += f" ({min(values):.{2 if unit else 1}f}-{max(values):.{2 if unit else 1}f})"
+        text += f" ({min(values):.{2 if unit else 1}f}-{max(values):.{2 if unit else 1}f}{more})"
     return text
 
 
@@ -53,14 +54,6 @@ def ratio_interval(ratios: list[float]) -> str:
     means = sorted(statistics.fmean(pick.choices(logs, k=len(logs))) for _ in range(RESAMPLES))
     low, high = means[int(0.05 * RESAMPLES)], means[int(0.95 * RESAMPLES) - 1]
     return f"; mean {math.exp(statistics.fmean(logs)):.2f}×, 90% {math.exp(low):.2f}-{math.exp(high):.2f}"
-
-
-def _ratio_cell(ratios: list[float]) -> str:
-    """The ratio to plain: median and range, and with enough samples the mean and its 90% interval inside the
-    brackets."""
-    text = _spread(ratios, "×")
-    extra = ratio_interval(ratios)
-    return text[:-1] + extra + ")" if extra and text.endswith(")") else text
 
 
 def _step_ms(runs: list[dict]) -> str:
@@ -132,9 +125,10 @@ def vllm_markdown(result: dict) -> str:
                 if not runs:
                     continue
                 tps = [r["tokens_per_s"] for r in runs]
+                cell = ratios(result, method, key)
                 same, total = _identical(result, method, key)
                 lines.append(f"| {key.split('/')[1]} | {method} | {_spread(tps)} | "
-                             f"{_ratio_cell(_ratios(result, method, key))} | "
+                             f"{_spread(cell, '×', ratio_interval(cell))} | "
                              f"{statistics.median(r['latency_p50_s'] for r in runs):.2f} | "
                              f"{statistics.median(r['latency_p95_s'] for r in runs):.2f} | "
                              f"{statistics.median(r['tokens_per_step'] for r in runs):.2f} | {_step_ms(runs)} | "

@@ -14,8 +14,8 @@ draft at all, a plain step -- whenever no draft pays, which is what a busy CPU a
 The table is measured once; serving.live refreshes it from the engine's real steps and measures propose()'s
 own time, both of which the drafter hands to the plan.
 
-`worth_drafting` asks the same question before any lookup is made, with the chains the recent requests' lookups
-gave (an empty one where they found nothing) and drafting's measured time: when even those chains would not pay
+`typical_pay` asks the same question before any lookup is made, with chains typical of what the recent requests'
+lookups gave (an empty one where they found nothing) and drafting's measured time: when even those chains would not pay
 for their tokens and for the proposer's own work, the stores are not searched at all, so a loaded server pays
 nothing for having a drafter.  `AcceptanceProfile` values the chains of a source the cost model has not learned
 yet, by how the recent drafts fared at each depth.
@@ -257,20 +257,12 @@ class ChanceCalibration:
         return out
 
 
-def worth_drafting(recent: Sequence[Sequence[float]], cost, batch: int, overhead_ms: float,
-                   base_ms: float = 0.0) -> bool:
-    """Whether chains like the recent requests' (chances as the plan saw them, an empty chain where the lookups
-    found nothing) would pay, for a batch of this size, for their tokens and for drafting's own time (see
-    plan_drafts)."""
-    if batch <= 0 or not recent:
-        return False
-    return typical_pay(typical_chains(recent, batch), cost, batch, overhead_ms, base_ms)
-
-
 def typical_pay(typical: Sequence[Sequence[float]], cost, batch: int, overhead_ms: float, base_ms: float = 0.0
                 ) -> bool:
-    """worth_drafting's answer from the batch's typical chains (typical_chains of the recent ones), where the
-    caller keeps them (serving.live.RecentChains.typical)."""
+    """Whether chains like the recent requests' would pay, for a batch of this size, for their tokens and for
+    drafting's own time (see plan_drafts), asked of the batch's typical chains (typical_chains of the recent ones:
+    chances as the plan saw them, an empty chain where the lookups found nothing), which the caller keeps
+    (serving.live.RecentChains.typical)."""
     if batch <= 0 or not typical:
         return False
     return sum(plan_drafts(typical, cost, batch, overhead_ms=overhead_ms, base_ms=base_ms)) > 0
