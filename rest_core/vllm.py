@@ -20,17 +20,20 @@ from rest_core.serving.config import open_drafter, plain_sampling
 from rest_core.serving.engine import (
     calibration_options,
     calling_runner,
+    calling_scheduler,
     engine_key,
     engine_settings,
     remaining_tokens,
     running_request_ids,
     sample_plainly_without_drafts,
+    waiting_requests,
     watch_logits,
     watch_states,
 )
 
 __all__ = ["NoDraftProposer", "RestProposer"]
 log = logging.getLogger("rest_core.serving")
+SCHEDULER_TRIES = 16  # propose() calls that look for the scheduler among their callers (warm-up passes need not)
 
 
 def sample_plainly(runner: Any, stats: dict) -> None:
@@ -57,6 +60,8 @@ class RestProposer:
                                     layers=getattr(model.hf_config, "num_hidden_layers", None),
                                     eager=bool(getattr(model, "enforce_eager", False)))
         self.drafter.warm_up()
+        self.scheduler: Any = None  # the engine core's scheduler, looked for in the first steps (not built yet)
+        self._scheduler_tries = SCHEDULER_TRIES
 
     def load_model(self, model: Any = None, *args, **kwargs) -> None:
         """Nothing to load (REST drafts without a model of its own); the runner that calls this is the one to read,
@@ -80,9 +85,13 @@ class RestProposer:
         if self.runner is None:
             raise RuntimeError("REST Lab's proposer cannot see the running requests' ids in this vLLM version "
                                "(no model runner among its callers); use vLLM 0.32 (scripts/setup.sh --vllm)")
+        if self.scheduler is None and self._scheduler_tries:
+            self._scheduler_tries -= 1
+            self.scheduler = calling_scheduler()
         ids = running_request_ids(self.runner, len(sampled_token_ids))
+        waiting = waiting_requests(self.scheduler) if self.scheduler is not None else None
         return self.drafter.step(ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-                                 remaining_tokens(self.runner, ids))
+                                 remaining_tokens(self.runner, ids), waiting)
 
 
 class NoDraftProposer:

@@ -738,19 +738,62 @@ def serve(drafter, clock: FakeTime, step_ms, steps: int, batch: int = 4, name: s
     return given
 
 
-def test_while_the_batch_drains_a_token_is_worth_most_to_the_requests_it_waits_for():
-    from rest_core.serving.load import wave_worth
+def test_when_nothing_waits_a_token_is_worth_what_the_batch_s_least_served_last_request_lets_it_save():
+    from rest_core.serving.load import last_request_worth, last_requests_pay
 
-    cost = table(40.0, 2.5)  # a step over one request fewer saves 2.5 ms
-    worth, base = wave_worth([100, 96, 50, 10], cost, batch=4, tied=8)
-    assert base == 2.0  # the two with the most to go, within 8 tokens of each other
-    assert worth[:2] == [1.0, 1.0]
-    assert worth[2] == worth[3] == pytest.approx(2 * 2.5 / cost(4, 0))
-    # the plan: the same chains; as throughput both requests draft, weighed by worth only the critical one
-    chains = [[0.6], [0.6]]
+    cost = table(20.0, 1.0)
+    # every request is a last one and their chances are equal: a token is a token, as for throughput
+    worth, base = last_request_worth([0.5] * 4, cost, batch=4)
+    assert base == 4.0 and worth == pytest.approx([1.0] * 4)
+    # two last requests of eight: a step saved is the final one over those two alone, T(2, 0), in tokens of the
+    # step over eight (T(8, 0) / 8 ms each); shared by their chances' inverses
+    worth, _ = last_request_worth([0.8, 0.2], cost, batch=8)
+    token_ms = cost(8, 0) / 8
+    assert sum(worth) == pytest.approx(cost(2, 0) / token_ms)
+    assert worth[1] == pytest.approx(4 * worth[0])  # the less likely request's token is the one the batch lacks
+    assert 0.8 * worth[0] == pytest.approx(0.2 * worth[1])  # each first draft is worth the same at its chance
+    # one last request with (next to) no chance makes the others' drafts worth nothing
+    weak, _ = last_request_worth([0.9, 0.9, 0.0], cost, batch=3)
+    assert 0.9 * weak[0] < 0.05 * 0.9 * last_request_worth([0.9, 0.9], cost, batch=3)[0][0]
+    # the plan: good chains for two last requests pay; the same with a third that has none do not
+    assert last_requests_pay([[0.9, 0.8], [0.9, 0.8]], cost, batch=8, overhead_ms=0.5)
+    assert not last_requests_pay([[0.9, 0.8], [0.9, 0.8], []], cost, batch=8, overhead_ms=0.5)
     flat = table(30.0, 5.0)
-    assert plan_drafts(chains, flat) == [1, 1]
-    assert plan_drafts(chains, flat, worth=[1.0, 0.1], base=1.0) == [1, 0]
+    worth, base = last_request_worth([0.6, 0.6], flat, batch=2)
+    assert plan_drafts([[0.6], [0.6]], flat, worth=worth, base=base) == [1, 1]
+
+
+def test_the_proposer_finds_the_engine_s_scheduler_among_its_callers_and_asks_it_what_waits():
+    from types import SimpleNamespace
+
+    from rest_core.serving.engine import calling_scheduler, waiting_requests
+
+    class Scheduler:
+        def __init__(self, waiting):
+            self.waiting = waiting
+
+        def get_request_counts(self):
+            return 16, self.waiting
+
+    class EngineCore:
+        def __init__(self, scheduler):
+            self.scheduler = scheduler
+
+        def step(self):
+            return SimpleNamespace(found=Proposer().propose())
+
+    class Proposer:
+        def propose(self):
+            return calling_scheduler()
+
+    scheduler = Scheduler(waiting=3)
+    found = EngineCore(scheduler).step().found
+    assert found is not None and waiting_requests(found) == 3
+    scheduler.waiting = 0
+    assert waiting_requests(found) == 0
+    assert Proposer().propose() is None  # no engine core among the callers
+    assert waiting_requests(SimpleNamespace()) is None
+    assert waiting_requests(SimpleNamespace(get_request_counts=lambda: (4,))) is None
 
 
 def test_the_tokens_a_request_may_still_produce_come_from_the_runner_s_request_states():
@@ -805,11 +848,57 @@ def test_the_drafter_drafts_for_the_requests_a_draining_batch_waits_for(tmp_path
     got = step(remaining)
     assert drafter.draining
     assert got["r0"] > 0 and got["r1"] == got["r2"] == 0
+    assert drafter.stats["last_request_steps"] == 1
     seqs["r4"] = [CYCLE[p] for p in range(4)]  # a request joins: the batch is not draining
     new["r4"] = seqs["r4"][-1:]
     step(remaining)
     assert not drafter.draining
     assert all(step(remaining).values())
+
+
+def test_a_batch_that_started_together_with_nothing_waiting_drafts_for_the_requests_it_ends_with(tmp_path,
+                                                                                                monkeypatch):
+    """Requests that join with nothing left waiting and may each still produce about as many tokens (a batch
+    submitted at once) are served for the one the batch ends with, from the start; with requests waiting, or
+    requests that came one by one, every token counts alike."""
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    cost = table(40.0, 3.0)
+
+    def run(remaining, waiting, steps=12):
+        folder = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        drafter = cyclic_drafter(folder, cost)
+        seqs = {rid: [CYCLE[(p + i) % len(CYCLE)] for p in range(4)] for i, rid in enumerate(remaining)}
+        new = {rid: seq[-1:] for rid, seq in seqs.items()}
+        for _ in range(steps):
+            ids = list(seqs)
+            rows = np.zeros((len(ids), max(len(q) for q in seqs.values())), dtype=np.int64)
+            for r, rid in enumerate(ids):
+                rows[r, :len(seqs[rid])] = seqs[rid]
+            out = drafter.step(ids, [new[r] for r in ids], [len(seqs[r]) for r in ids], rows,
+                               [remaining[r] for r in ids], waiting)
+            for rid, drafts in zip(ids, out):
+                start = CYCLE.index(seqs[rid][-1]) + 1
+                new[rid] = [CYCLE[(start + j) % len(CYCLE)] for j in range(len(drafts) + 1)]
+                seqs[rid] += new[rid]
+            clock.pass_ms(cost(len(ids), sum(map(len, out))))
+            got = dict(zip(ids, map(len, out)))
+        return drafter, got
+
+    tied = {"r0": 128, "r1": 127, "r2": 127, "r3": 126}
+    drafter, got = run(tied, waiting=0)
+    assert drafter.together and not drafter.draining
+    assert got["r0"] > 0 and got["r1"] == got["r2"] == got["r3"] == 0
+    assert drafter.stats["last_request_steps"] == 12
+    drafter, got = run(tied, waiting=3)  # requests wait to join: throughput
+    assert not drafter.together and all(got.values()) and drafter.stats["last_request_steps"] == 0
+    drafter, got = run(tied, waiting=None)  # the engine does not say: the tie alone
+    assert drafter.together and got["r0"] > 0 and got["r1"] == 0
+    drafter, got = run({"r0": 128, "r1": 90, "r2": 60, "r3": 20}, waiting=0)  # they came one by one
+    assert not drafter.together and all(got.values())
 
 
 def test_the_step_cost_follows_the_machine_as_it_runs_now(tmp_path, monkeypatch):
@@ -1305,11 +1394,12 @@ def test_the_benchmark_gives_propose_s_share_of_each_engine_step():
               "timed_steps": 9, "predicted_steps": 10, "dense_lookups": 1, "dense_drafted": 2, "dense_accepted": 1}
     after = {"steps": 110, "drafting_steps": 55, "propose_ms": 75.0, "drafting_propose_ms": 64.0,
              "engine_ms": 5500.0, "timed_steps": 109, "predicted_steps": 108, "predicted_skipped": 2,
-             "dense_lookups": 8, "dense_drafted": 14, "dense_accepted": 4}
+             "dense_lookups": 8, "dense_drafted": 14, "dense_accepted": 4, "last_request_steps": 22}
     got = drafter_times(before, after)
     assert got == {"propose_ms_per_step": pytest.approx(0.7), "propose_ms_per_lookup_step": pytest.approx(1.2),
-                   "lookup_share": pytest.approx(0.5), "engine_ms_per_step": pytest.approx(50.0),
-                   "gc_ms_per_step": 0.0, "gc_full": 0, "predicted_share": pytest.approx(0.98),
+                   "lookup_share": pytest.approx(0.5), "last_request_share": pytest.approx(0.22),
+                   "engine_ms_per_step": pytest.approx(50.0), "gc_ms_per_step": 0.0, "gc_full": 0,
+                   "predicted_share": pytest.approx(0.98),
                    "predicted_skipped": 2, "dense_lookups": 7, "dense_drafted": 12, "dense_accepted": 3}
     collected = drafter_times({"steps": 10, "gc_ms": 1.0, "gc_full": 1}, {"steps": 30, "gc_ms": 9.0, "gc_full": 3})
     assert collected["gc_ms_per_step"] == pytest.approx(0.4) and collected["gc_full"] == 2  # the empty proposer's
@@ -1408,7 +1498,8 @@ def test_the_wave_trace_reads_each_propose_call_as_a_step():
     from conftest import tool
 
     trace = tool("vllm_wave_trace")
-    records = [[10.000, 2.0, 16, 4, True, 0, 0], [10.034, 0.5, 16, 0, False, 3, 4], [10.0655, 0.5, 15, 0, False, 3, 4]]
+    records = [[10.000, 2.0, 16, 4, True, 0, 0, False], [10.034, 0.5, 16, 0, False, 3, 4, True],
+               [10.0655, 0.5, 15, 0, False, 3, 4]]  # a line of an older trace: no last-request flag
     steps = trace.steps_of(records)
     assert steps[0]["engine_ms"] is None
     assert steps[1]["engine_ms"] == pytest.approx(32.0) and steps[2]["engine_ms"] == pytest.approx(31.0)
@@ -1417,7 +1508,7 @@ def test_the_wave_trace_reads_each_propose_call_as_a_step():
     assert [(s["verified"], s["kept"]) for s in after_warm_up] == [(4, 3), (0, 0)]  # the warm-up's not counted
     summary = trace.propose_summary(steps)
     assert summary == {"looked_steps": 1, "looked_ms": 2.0, "quiet_steps": 2, "quiet_ms": 0.5, "drafts": 4,
-                       "verified": 4, "kept": 3}
+                       "verified": 4, "kept": 3, "last_steps": 1}
 
 
 # -- what drafting really brought ------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ TRACE_ENV = "REST_LAB_WAVE_TRACE"
 
 class TracedRest(RestProposer):
     """REST's proposer, writing a line per propose() call to the file REST_LAB_WAVE_TRACE names: [start (s), its
-    own ms, requests, drafts given, looked up, drafts kept so far, drafts verified so far]."""
+    own ms, requests, drafts given, looked up, drafts kept so far, drafts verified so far, served for the
+    requests the batch ends with (nothing waited to join it)]."""
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
@@ -40,12 +41,12 @@ class TracedRest(RestProposer):
 
     def propose(self, sampled_token_ids, *args, **kwargs):
         start = time.perf_counter()
-        looked = self.drafter.stats["drafting_steps"]
+        looked, last = self.drafter.stats["drafting_steps"], self.drafter.stats["last_request_steps"]
         out = super().propose(sampled_token_ids, *args, **kwargs)
         stats = self.drafter.stats
         self._trace.write(json.dumps([start, (time.perf_counter() - start) * 1e3, len(sampled_token_ids),
                                       sum(map(len, out)), stats["drafting_steps"] > looked, stats["accepted"],
-                                      stats["drafted"]]) + "\n")
+                                      stats["drafted"], stats["last_request_steps"] > last]) + "\n")
         return out
 
 
@@ -57,23 +58,23 @@ def steps_of(records: list[list], before: Optional[list] = None) -> list[dict]:
     out, end, kept, verified = [], None, 0, 0
     if before is not None:
         kept, verified = before[5], before[6]
-    for start, ms, batch, given, looked, kept_all, verified_all in records:
+    for start, ms, batch, given, looked, kept_all, verified_all, *last in records:
         out.append({"engine_ms": None if end is None else (start - end) * 1e3, "propose_ms": ms, "batch": batch,
                     "drafts": given, "looked": bool(looked), "verified": verified_all - verified,
-                    "kept": kept_all - kept})
+                    "kept": kept_all - kept, "last": bool(last and last[0])})
         end, kept, verified = start + ms / 1e3, kept_all, verified_all
     return out
 
 
 def propose_summary(steps: list[dict]) -> dict:
-    """propose()'s mean ms in steps that looked the stores up and in steps that did not, and the drafts given,
-    verified and kept in all."""
+    """propose()'s mean ms in steps that looked the stores up and in steps that did not, the drafts given,
+    verified and kept in all, and the steps served for the requests the batch ends with."""
     looked = [s["propose_ms"] for s in steps if s["looked"]]
     quiet = [s["propose_ms"] for s in steps if not s["looked"]]
     return {"looked_steps": len(looked), "looked_ms": statistics.fmean(looked) if looked else 0.0,
             "quiet_steps": len(quiet), "quiet_ms": statistics.fmean(quiet) if quiet else 0.0,
             "drafts": sum(s["drafts"] for s in steps), "verified": sum(s["verified"] for s in steps),
-            "kept": sum(s["kept"] for s in steps)}
+            "kept": sum(s["kept"] for s in steps), "last_steps": sum(s.get("last", False) for s in steps)}
 
 
 def main(argv=None) -> int:
@@ -121,13 +122,15 @@ def main(argv=None) -> int:
             s = propose_summary(steps)
             print(f"  propose(): {s['looked_steps']} steps looked up ({s['looked_ms']:.2f} ms each), "
                   f"{s['quiet_steps']} did not ({s['quiet_ms']:.2f} ms); {s['drafts']} drafts given, "
-                  f"{s['verified']} verified, {s['kept']} kept")
+                  f"{s['verified']} verified, {s['kept']} kept; {s['last_steps']} steps served for the requests "
+                  f"the batch ends with")
             for i, st in enumerate(steps):
                 if args.all_steps or st["drafts"] or st["looked"] or st["verified"]:
                     engine = f"{st['engine_ms']:6.1f}" if st["engine_ms"] is not None else "     -"
                     print(f"  step {i:4d}: {st['batch']:2d} requests, engine {engine} ms, propose "
                           f"{st['propose_ms']:5.2f} ms, drafts {st['drafts']:2d}, verified {st['verified']:2d}, "
-                          f"kept {st['kept']:2d}{', looked up' if st['looked'] else ''}")
+                          f"kept {st['kept']:2d}{', looked up' if st['looked'] else ''}"
+                          f"{', for the last requests' if st['last'] else ''}")
             trace.unlink()
     return 0
 

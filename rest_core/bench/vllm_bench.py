@@ -147,19 +147,21 @@ def run_batch(llm, prompts, batch: int, max_new_tokens: int, steps: Optional[lis
 
 def drafter_times(before, after) -> dict:
     """propose()'s own milliseconds per engine step (in all, and in the steps that looked up), the engine's between
-    two calls, the collector's, how many steps taught the model's predictions and what the dense store drafted,
-    from a proposer's reports at the start and end of a run (the empty proposer reports its steps and collections
-    only; nothing for the methods that write none)."""
+    two calls, the collector's, how many steps taught the model's predictions, what the dense store drafted and
+    the share of steps served for the batch's last requests, from a proposer's reports at the start and end of a
+    run (the empty proposer reports its steps and collections only; nothing for the methods that write none)."""
     if not isinstance(after, dict) or not after.get("steps"):
         return {}
     before = before if isinstance(before, dict) else {}
     d = {k: after.get(k, 0) - before.get(k, 0) for k in ("steps", "drafting_steps", "propose_ms", "gc_ms",
                                                           "gc_full", "drafting_propose_ms", "engine_ms", "timed_steps",
                                                           "predicted_steps", "predicted_skipped", "dense_lookups",
-                                                          "dense_drafted", "dense_accepted")}
+                                                          "dense_drafted", "dense_accepted", "last_request_steps")}
     return {"propose_ms_per_step": d["propose_ms"] / max(d["steps"], 1),
             "propose_ms_per_lookup_step": d["drafting_propose_ms"] / max(d["drafting_steps"], 1),
             "lookup_share": d["drafting_steps"] / max(d["steps"], 1),
+            # steps served for the requests the batch ends with (nothing waited to join it)
+            "last_request_share": d["last_request_steps"] / max(d["steps"], 1),
             "engine_ms_per_step": d["engine_ms"] / max(d["timed_steps"], 1),
             "gc_ms_per_step": d["gc_ms"] / max(d["steps"], 1), "gc_full": d["gc_full"],
             # steps whose logits taught the model's predictions, and those whose rows did not match the drafts

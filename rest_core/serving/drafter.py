@@ -22,9 +22,11 @@ verified next.  It uses the decoder's own parts, not copies of them:
                                     propose()'s own time, both measured live (serving.live); none at batch
                                     sizes where the steps that verified drafts gave fewer tokens per request
                                     and plain step's time than those that did not (serving.live.RealizedRates,
-                                    nearby sizes weighed together); while the batch drains
-                                    (it shrank and no request joined), for the requests it waits for, those
-                                    with the most tokens still to go (serving.load.wave_worth)
+                                    nearby sizes weighed together); when nothing waits to join
+                                    the batch (its requests started together and the engine's scheduler, where
+                                    it can be asked, says nothing waits; or it shrank and none joined), only
+                                    for the requests it ends with, those with the most tokens still to go, and
+                                    only if all of them would gain (serving.load.last_request_worth)
 
 A request's state lives exactly while the request is in the running batch: a request that finishes, is preempted
 or is left out of a step is forgotten (its output joins the history once), and one that comes back is rebuilt
@@ -48,9 +50,10 @@ from rest_core.serving.load import (
     AcceptanceProfile,
     ChanceCalibration,
     StepCost,
+    last_request_worth,
+    last_requests_pay,
     plan_drafts,
     typical_pay,
-    wave_worth,
 )
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
 
@@ -169,10 +172,13 @@ class RestDrafter:
                       "predicted_steps": 0, "predicted_skipped": 0,
                       # requests whose chain was weak and the dense store was searched for, the chains that then
                       # began with its draft, and its drafts verified and kept
-                      "dense_lookups": 0, "dense_chains": 0, "dense_drafted": 0, "dense_accepted": 0}
+                      "dense_lookups": 0, "dense_chains": 0, "dense_drafted": 0, "dense_accepted": 0,
+                      # steps served for the requests the batch ends with (nothing waited to join it)
+                      "last_request_steps": 0}
         self.report = None  # a serving.config.ProposeLog, where one is asked for: told of every step's stats
         self._running: set = set()  # the requests of the last step
         self.draining = False  # the batch has shrunk since a request last joined (`_watch_joining`)
+        self.together = False  # its requests started together, nothing waiting as far as known (ditto)
         self._pays: tuple = (None, None, False)  # what `_drafting_pays` last weighed, and its answer
 
     # -- the requests ------------------------------------------------------------------------------------------
@@ -312,15 +318,17 @@ class RestDrafter:
 
     # -- one engine step ---------------------------------------------------------------------------------------
     def step(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
-             tokens: np.ndarray, remaining: Optional[Sequence[int]] = None) -> list[list[int]]:
+             tokens: np.ndarray, remaining: Optional[Sequence[int]] = None, waiting: Optional[int] = None
+             ) -> list[list[int]]:
         """Draft tokens for each running request (row i: req_ids[i], the tokens sampled[i] this step gave it,
         tokens[i, :lengths[i]] its prompt + output so far); a request still reading its prompt gets none.
-        remaining[i]: the most tokens request i may still produce, where the engine says (its max_tokens): while
-        the batch drains they tell which requests it waits for (`_worth`).
+        remaining[i]: the most tokens request i may still produce, where the engine says (its max_tokens);
+        waiting: the requests waiting to be scheduled, where the engine says.  When nothing waits to join the
+        batch they tell which requests it ends with (`_last_requests`).
         The engine's step since the last call and this call's own time are measured on the way."""
         start = self.clock()
         self._time_engine(start, req_ids, sampled)
-        self._watch_joining(req_ids)
+        self._watch_joining(req_ids, remaining, waiting)
         out, drafting = self._draft(req_ids, sampled, lengths, tokens, remaining)
         end = self.clock()
         ms = (end - start) * 1e3
@@ -347,23 +355,32 @@ class RestDrafter:
             self.stats["engine_ms"] += engine_ms
             self.stats["timed_steps"] += 1
 
-    def _watch_joining(self, req_ids: Sequence[str]) -> None:
-        """Whether the batch is draining: it has shrunk since a request last joined it (a server with requests
-        waiting replaces a finished one at once, and so does the benchmark's sustained load)."""
+    def _watch_joining(self, req_ids: Sequence[str], remaining: Optional[Sequence[int]],
+                       waiting: Optional[int]) -> None:
+        """Whether nothing waits to join the batch: it has shrunk since a request last joined (a server with
+        requests waiting replaces a finished one at once, and so does the benchmark's sustained load), or its
+        requests started together (the tokens they may still produce within max_drafts of each other when the
+        last of them joined: a batch submitted at once, not a server whose requests came one by one, where each
+        request's own time counts) and the scheduler said nothing waited then.  Where the scheduler cannot be
+        asked (vLLM's CPU engine runs the model in a process of its own) requests that started together are
+        taken for a batch with nothing behind it until one of them leaves and another joins: the first batch of
+        a longer queue is served so too."""
         running = set(req_ids)
         if running - self._running:
             self.draining = False
+            self.together = (waiting in (0, None) and remaining is not None and len(remaining) > 1
+                             and max(remaining) - min(remaining) <= self.max_drafts)
         elif len(running) < len(self._running):
             self.draining = True
         self._running = running
 
-    def _worth(self, rows: list, remaining: Optional[Sequence[int]], batch: int
-               ) -> tuple[Optional[list[float]], Optional[float]]:
-        """What each drafting request's accepted tokens are worth to the plan (serving.load.wave_worth) while the
-        batch drains and the engine says how many tokens each may still produce; else None (a token is a token)."""
-        if not self.draining or remaining is None or len(rows) < 2:
-            return None, None
-        return wave_worth([int(remaining[i]) for i, _ in rows], self.cost, batch, tied=self.max_drafts)
+    def _last_requests(self, remaining: Optional[Sequence[int]], batch: int) -> Optional[set]:
+        """The rows of the requests the batch ends with (the most tokens still to go) when nothing waits to join
+        it (`_watch_joining`), else None: every request's tokens count alike."""
+        if not (self.draining or self.together) or remaining is None or len(remaining) != batch or batch < 2:
+            return None
+        top = max(remaining)
+        return {i for i, r in enumerate(remaining) if r == top}
 
     def _draft(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
                tokens: np.ndarray, remaining: Optional[Sequence[int]] = None) -> tuple[list[list[int]], bool]:
@@ -380,7 +397,15 @@ class RestDrafter:
         batch = len(req_ids)
         base_ms = self.propose_time.plain_ms(batch)
         self.recent.tick()
-        if not rows or self.realized.losing(batch) or not self._drafting_pays(batch, base_ms):
+        last = self._last_requests(remaining, batch)
+        if last is not None:
+            self.stats["last_request_steps"] += 1
+            # only the requests the batch ends with are worth drafting for, and only if every one of them can
+            # gain: one still reading its prompt cannot this step
+            rows = [(i, state) for i, state in rows if i in last]
+            if len(rows) < len(last):
+                rows = []
+        if not rows or self.realized.losing(batch) or not self._drafting_pays(batch, base_ms, last):
             return out, False
         self.stats["drafting_steps"] += 1
         weak_below = self._draft_bar(batch) if self.dense is not None else 0.0
@@ -392,7 +417,8 @@ class RestDrafter:
             raw.append(chance)
             chances.append(self.calibration[state.kind].apply(chance))
             self.recent.add(chances[-1])
-        worth, base = self._worth(rows, remaining, batch)
+        worth, base = (None, None) if last is None else \
+            last_request_worth([c[0] if c else 0.0 for c in chances], self.cost, batch)
         counts = plan_drafts(chances, self.cost, batch=batch, base_ms=base_ms,  # the lookups are made: not counted
                              worth=worth, base=base)
         if self.cost.probe(batch):  # the newest steps cannot tell what a draft costs: this one drafts half
@@ -402,18 +428,22 @@ class RestDrafter:
             out[i] = chain.tokens[1:k + 1].tolist()
         return out, True
 
-    def _drafting_pays(self, batch: int, base_ms: float) -> bool:
-        """serving.load.typical_pay for the recent chains at this batch size, asked again only when what it weighs
-        has changed: the typical chains, the batch size, the step cost's fit or level (to 5%: it scales the
+    def _drafting_pays(self, batch: int, base_ms: float, last: Optional[set] = None) -> bool:
+        """serving.load.typical_pay for the recent chains at this batch size (with `last`, the rows of the requests
+        the batch ends with: serving.load.last_requests_pay for that many lookups), asked again only when what it
+        weighs has changed: the typical chains, the batch size, the step cost's fit or level (to 5%: it scales the
         engine's times, which propose()'s own are weighed against), or propose()'s times (to 0.1 ms).  Right
         after a forward pass its table work runs from cold caches: 0.17 ms of a 0.34 ms step that looked nothing
         up, at 16 requests on a 2-core Zen 5."""
-        typical = self.recent.typical(batch, self.profile.chain(self.max_drafts))
-        overhead_ms = self.propose_time.drafting_ms(batch)
-        key = (batch, self.cost.fits, round(self.cost.level * 20), round(overhead_ms, 1), round(base_ms, 1))
+        looked = batch if last is None else len(last)
+        typical = self.recent.typical(looked, self.profile.chain(self.max_drafts))
+        overhead_ms = self.propose_time.drafting_ms(batch) * looked / batch
+        key = (batch, looked, last is None, self.cost.fits, round(self.cost.level * 20), round(overhead_ms, 1),
+               round(base_ms, 1))
         asked, answered, pays = self._pays
         if asked is not typical or answered != key:
-            pays = typical_pay(typical, self.cost, batch, overhead_ms, base_ms)
+            ask = typical_pay if last is None else last_requests_pay
+            pays = ask(typical, self.cost, batch, overhead_ms, base_ms)
             self._pays = (typical, key, pays)
         return pays
 

@@ -12,6 +12,11 @@ returned unchanged, so sampling and verification are untouched).  Likewise `watc
 layer so that each pass hands on the hidden state there of the rows the dense source needs (datastores.dense).
 `sample_plainly_without_drafts` changes one thing in the engine: a step in which no request has a draft is sampled
 on vLLM's plain path instead of its rejection sampler (the same tokens, less work).
+
+Nor does the proposer learn whether requests wait to be scheduled.  Where the engine core runs the model in its own
+process (one worker: vLLM's CPU engine, one GPU), its scheduler is among the proposer's callers at every step;
+`calling_scheduler` finds it once and `waiting_requests` asks it how many requests wait (None where it is not
+there: workers in processes of their own, as with tensor parallelism).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from rest_core.machine import machine_key
 log = logging.getLogger("rest_core.serving")
 
 SEARCHED_FRAMES = 6
+SCHEDULER_FRAMES = 24  # frames searched for the engine core's scheduler (propose() is about ten below its step)
 
 
 def calling_runner(depth: int = 2) -> Optional[Any]:
@@ -40,6 +46,28 @@ def calling_runner(depth: int = 2) -> Optional[Any]:
             return weakref.proxy(owner)
         frame = frame.f_back
     return None
+
+
+def calling_scheduler(depth: int = 2) -> Optional[Any]:
+    """The vLLM scheduler whose step is among the callers (the engine core's `scheduler`, which counts the running
+    and waiting requests), or None."""
+    frame = sys._getframe(depth)
+    for _ in range(SCHEDULER_FRAMES):
+        if frame is None:
+            return None
+        scheduler = getattr(frame.f_locals.get("self"), "scheduler", None)
+        if callable(getattr(scheduler, "get_request_counts", None)):
+            return weakref.proxy(scheduler)
+        frame = frame.f_back
+    return None
+
+
+def waiting_requests(scheduler: Any) -> Optional[int]:
+    """How many requests wait to be scheduled, as the scheduler counts them; None where it cannot say."""
+    try:
+        return int(scheduler.get_request_counts()[1])
+    except (AttributeError, IndexError, TypeError, ValueError, ReferenceError):
+        return None
 
 
 def watch_logits(model: Any, k: int, hand: Callable[[Any], None], wanted: Callable[[], bool] = lambda: True) -> bool:

@@ -41,6 +41,7 @@ BATCHES = (1, 2, 4, 8, 16)  # batch sizes the step cost is measured at
 DRAFTS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16)
 CURVE_VERSION = 2  # 1: drafts (0, 1, 2, 4, 8), evened out to rise along both axes
 MAX_CHANCE = 0.99  # a scaled chance stays below certainty
+LEAST_CHANCE = 0.01  # last_request_worth's floor under a request's chance (one with no draft has none)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def plan_drafts(chances: Sequence[Sequence[float]], cost, batch: Optional[int] =
                 overhead_ms: float = 0.0, base_ms: float = 0.0, worth: Optional[Sequence[float]] = None,
                 base: Optional[float] = None) -> list[int]:
     """Draft tokens per request (a prefix of each request's chain) that maximise the step's tokens per ms
-    (or what `worth` says a request's tokens are worth: see wave_worth).
+    (or what `worth` says a request's tokens are worth: see last_request_worth).
 
     chances[i][j]: the chance that request i's first j + 1 drafts are all accepted (non-increasing in j);
     cost: the step cost (a StepCost or live.LiveStepCost: anything with `row(batch, drafts)`);
@@ -164,19 +165,37 @@ def plan_drafts(chances: Sequence[Sequence[float]], cost, batch: Optional[int] =
     return np.bincount(order[:best + 1] // table.shape[1], minlength=len(chances)).tolist()
 
 
-def wave_worth(remaining: Sequence[int], cost, batch: int, tied: int) -> tuple[list[float], float]:
-    """What a request's accepted token is worth while the batch drains (requests finish and none join): the
-    batch is done when its last request is, so a token is worth a step to the requests that may end last (those
-    with the most tokens still to go, within `tied` of the most), and to the others only what their leaving
-    earlier saves the steps after it (a step over one request fewer).  Worth per request, in tokens of the
-    critical requests, and the worth of the step's own tokens (one for each critical request)."""
-    top = max(remaining)
-    critical = [r >= top - tied for r in remaining]
-    n = sum(critical)
-    full = cost(batch, 0)
-    saved = max(full - cost(batch - 1, 0), 0.0) if batch > 1 else 0.0
-    other = n * saved / full
-    return [1.0 if c else other for c in critical], float(n)
+def last_request_worth(first_chances: Sequence[float], cost, batch: int) -> tuple[list[float], float]:
+    """What an accepted token of each of the batch's last requests is worth when nothing waits to join (the batch
+    is done when they are): `first_chances[i]`, the chance that last request i keeps its first draft this step.
+
+    The last requests are those with the most tokens still to go; the batch ends a step sooner only when every
+    one of them has gained a token.  Each gains at a step with its chance q_i, so a step saved takes about
+    sum_j 1/q_j drafting steps of theirs, and saves the batch's final step, over those requests alone:
+    S = T(n, 0).  Valuing request i's token at S (1/q_i) / sum_j (1/q_j) makes each of their first drafts worth
+    S / sum_j (1/q_j) at its chance: the batch drafts for all of them or for none, and never where one of them
+    has next to no chance (the least served decides).  The other requests' tokens are worth nothing here (they
+    would only end sooner than the batch does; they are not looked up).  Worth is in tokens of the step's own,
+    T(batch, 0) / batch ms each, and the step's own tokens are `batch` of them (plan_drafts' `worth` and `base`).
+    With every request last and their chances equal, each token is worth one: the plan is throughput's."""
+    n = len(first_chances)
+    if n == 0 or batch <= 0:
+        return [], float(max(batch, 0))
+    inverse = 1.0 / np.maximum(np.asarray(first_chances, dtype=float), LEAST_CHANCE)
+    saved_ms, token_ms = cost(n, 0), cost(batch, 0) / batch
+    return (saved_ms / token_ms * inverse / inverse.sum()).tolist(), float(batch)
+
+
+def last_requests_pay(typical: Sequence[Sequence[float]], cost, batch: int, overhead_ms: float,
+                      base_ms: float = 0.0) -> bool:
+    """typical_pay for a batch that nothing waits to join, with `typical`: one chain per last request (the
+    recent chains' typical mix for that many requests) and `overhead_ms`: drafting's time for looking them up:
+    whether they would pay valued as last_request_worth values them."""
+    if batch <= 0 or not typical:
+        return False
+    worth, base = last_request_worth([chain[0] if chain else 0.0 for chain in typical], cost, batch)
+    return sum(plan_drafts(typical, cost, batch, overhead_ms=overhead_ms, base_ms=base_ms, worth=worth,
+                           base=base)) > 0
 
 
 def _table(chains: Sequence[Sequence[float]]) -> np.ndarray:
