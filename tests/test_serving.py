@@ -738,8 +738,8 @@ def serve(drafter, clock: FakeTime, step_ms, steps: int, batch: int = 4, name: s
     return given
 
 
-def test_when_nothing_waits_a_token_is_worth_what_the_batch_s_least_served_last_request_lets_it_save():
-    from rest_core.serving.load import last_request_worth, last_requests_pay
+def test_when_nothing_waits_the_batch_drafts_only_if_every_request_it_ends_with_can_gain():
+    from rest_core.serving.load import last_request_worth, last_requests_gain, last_requests_pay
 
     cost = table(20.0, 1.0)
     # every request is a last one and their chances are equal: a token is a token, as for throughput
@@ -752,15 +752,16 @@ def test_when_nothing_waits_a_token_is_worth_what_the_batch_s_least_served_last_
     assert sum(worth) == pytest.approx(cost(2, 0) / token_ms)
     assert worth[1] == pytest.approx(4 * worth[0])  # the less likely request's token is the one the batch lacks
     assert 0.8 * worth[0] == pytest.approx(0.2 * worth[1])  # each first draft is worth the same at its chance
-    # one last request with (next to) no chance makes the others' drafts worth nothing
-    weak, _ = last_request_worth([0.9, 0.9, 0.0], cost, batch=3)
-    assert 0.9 * weak[0] < 0.05 * 0.9 * last_request_worth([0.9, 0.9], cost, batch=3)[0][0]
-    # the plan: good chains for two last requests pay; the same with a third that has none do not
-    assert last_requests_pay([[0.9, 0.8], [0.9, 0.8]], cost, batch=8, overhead_ms=0.5)
-    assert not last_requests_pay([[0.9, 0.8], [0.9, 0.8], []], cost, batch=8, overhead_ms=0.5)
-    flat = table(30.0, 5.0)
-    worth, base = last_request_worth([0.6, 0.6], flat, batch=2)
-    assert plan_drafts([[0.6], [0.6]], flat, worth=worth, base=base) == [1, 1]
+    # the gate: last requests with good chains gain together; one with (next to) none keeps them all from it
+    assert last_requests_gain([0.9, 0.9], cost, batch=8)
+    assert not last_requests_gain([0.9, 0.9, 0.0], cost, batch=8)
+    assert not last_requests_gain([], cost, batch=8)
+    # whether to look up: the gate on chains like the recent ones for the last requests, then the plan over the
+    # requests near them, each token in full
+    good, none = [0.9, 0.8], []
+    assert last_requests_pay([good, good], [good, good, good], cost, batch=8, overhead_ms=0.5)
+    assert not last_requests_pay([good, none], [good, good, good], cost, batch=8, overhead_ms=0.5)
+    assert not last_requests_pay([good], [good], cost, batch=8, overhead_ms=500.0)  # drafting's time: too dear
 
 
 def test_the_proposer_finds_the_engine_s_scheduler_among_its_callers_and_asks_it_what_waits():
@@ -856,18 +857,18 @@ def test_the_drafter_drafts_for_the_requests_a_draining_batch_waits_for(tmp_path
     assert all(step(remaining).values())
 
 
-def test_a_batch_that_started_together_with_nothing_waiting_drafts_for_the_requests_it_ends_with(tmp_path,
-                                                                                                monkeypatch):
+def test_a_batch_that_started_together_with_nothing_waiting_drafts_only_if_the_requests_it_ends_with_gain(
+        tmp_path, monkeypatch):
     """Requests that join with nothing left waiting and may each still produce about as many tokens (a batch
-    submitted at once) are served for the one the batch ends with, from the start; with requests waiting, or
-    requests that came one by one, every token counts alike."""
+    submitted at once) are served for the ones the batch ends with, from the start: no request drafts while one
+    of those cannot gain; with requests waiting, or requests that came one by one, every token counts alike."""
     import rest_core.serving.drafter as drafter_module
 
     clock = FakeTime()
     monkeypatch.setattr(drafter_module, "time", clock)
     cost = table(40.0, 3.0)
 
-    def run(remaining, waiting, steps=12):
+    def run(remaining, waiting, steps=12, reading=("r3",)):
         folder = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         folder.mkdir()
         drafter = cyclic_drafter(folder, cost)
@@ -878,9 +879,12 @@ def test_a_batch_that_started_together_with_nothing_waiting_drafts_for_the_reque
             rows = np.zeros((len(ids), max(len(q) for q in seqs.values())), dtype=np.int64)
             for r, rid in enumerate(ids):
                 rows[r, :len(seqs[rid])] = seqs[rid]
-            out = drafter.step(ids, [new[r] for r in ids], [len(seqs[r]) for r in ids], rows,
-                               [remaining[r] for r in ids], waiting)
+            out = drafter.step(ids, [[] if r in reading else new[r] for r in ids], [len(seqs[r]) for r in ids],
+                               rows, [remaining[r] for r in ids], waiting)
             for rid, drafts in zip(ids, out):
+                if rid in reading:  # a request reading its prompt: no token yet, and no draft
+                    assert not drafts
+                    continue
                 start = CYCLE.index(seqs[rid][-1]) + 1
                 new[rid] = [CYCLE[(start + j) % len(CYCLE)] for j in range(len(drafts) + 1)]
                 seqs[rid] += new[rid]
@@ -888,16 +892,19 @@ def test_a_batch_that_started_together_with_nothing_waiting_drafts_for_the_reque
             got = dict(zip(ids, map(len, out)))
         return drafter, got
 
-    tied = {"r0": 128, "r1": 127, "r2": 127, "r3": 126}
+    # r3 still reads its prompt, so it has the most tokens to go and cannot gain this step: nor can the batch
+    tied = {"r0": 127, "r1": 127, "r2": 127, "r3": 128}
     drafter, got = run(tied, waiting=0)
     assert drafter.together and not drafter.draining
-    assert got["r0"] > 0 and got["r1"] == got["r2"] == got["r3"] == 0
-    assert drafter.stats["last_request_steps"] == 12
+    assert not any(got.values()) and drafter.stats["last_request_steps"] == 12
     drafter, got = run(tied, waiting=3)  # requests wait to join: throughput
-    assert not drafter.together and all(got.values()) and drafter.stats["last_request_steps"] == 0
+    assert not drafter.together and drafter.stats["last_request_steps"] == 0
+    assert got["r0"] and got["r1"] and got["r2"] and not got["r3"]
     drafter, got = run(tied, waiting=None)  # the engine does not say: the tie alone
-    assert drafter.together and got["r0"] > 0 and got["r1"] == 0
-    drafter, got = run({"r0": 128, "r1": 90, "r2": 60, "r3": 20}, waiting=0)  # they came one by one
+    assert drafter.together and not any(got.values())
+    drafter, got = run({"r0": 127, "r1": 127, "r2": 127, "r3": 127}, waiting=0, reading=())  # all can gain
+    assert drafter.together and all(got.values())
+    drafter, got = run({"r0": 128, "r1": 90, "r2": 60, "r3": 20}, waiting=0, reading=())  # one by one
     assert not drafter.together and all(got.values())
 
 

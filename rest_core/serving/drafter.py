@@ -50,9 +50,10 @@ from rest_core.serving.load import (
     AcceptanceProfile,
     ChanceCalibration,
     StepCost,
-    last_request_worth,
+    last_requests_gain,
     last_requests_pay,
     plan_drafts,
+    typical_chains,
     typical_pay,
 )
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
@@ -374,13 +375,15 @@ class RestDrafter:
             self.draining = True
         self._running = running
 
-    def _last_requests(self, remaining: Optional[Sequence[int]], batch: int) -> Optional[set]:
-        """The rows of the requests the batch ends with (the most tokens still to go) when nothing waits to join
-        it (`_watch_joining`), else None: every request's tokens count alike."""
+    def _last_requests(self, remaining: Optional[Sequence[int]], batch: int) -> Optional[tuple[set, set]]:
+        """When nothing waits to join the batch (`_watch_joining`): the rows of the requests it ends with (the
+        most tokens still to go) and of those near them (within max_drafts: any of them may end it, as a request
+        may stop before its max_tokens); else None: every request's tokens count alike."""
         if not (self.draining or self.together) or remaining is None or len(remaining) != batch or batch < 2:
             return None
         top = max(remaining)
-        return {i for i, r in enumerate(remaining) if r == top}
+        return ({i for i, r in enumerate(remaining) if r == top},
+                {i for i, r in enumerate(remaining) if r >= top - self.max_drafts})
 
     def _draft(self, req_ids: Sequence[str], sampled: Sequence[Sequence[int]], lengths: Sequence[int],
                tokens: np.ndarray, remaining: Optional[Sequence[int]] = None) -> tuple[list[list[int]], bool]:
@@ -397,15 +400,16 @@ class RestDrafter:
         batch = len(req_ids)
         base_ms = self.propose_time.plain_ms(batch)
         self.recent.tick()
-        last = self._last_requests(remaining, batch)
-        if last is not None:
+        ends = self._last_requests(remaining, batch)
+        if ends is not None:
             self.stats["last_request_steps"] += 1
-            # only the requests the batch ends with are worth drafting for, and only if every one of them can
-            # gain: one still reading its prompt cannot this step
-            rows = [(i, state) for i, state in rows if i in last]
-            if len(rows) < len(last):
-                rows = []
-        if not rows or self.realized.losing(batch) or not self._drafting_pays(batch, base_ms, last):
+            # only the requests near the last are worth drafting for, and only if every last one can gain: one
+            # still reading its prompt cannot this step
+            last, near = ends
+            decoding = {i for i, _ in rows}
+            rows = [(i, state) for i, state in rows if i in near] if last <= decoding else []
+        counts_of = None if ends is None else (len(ends[0]), len(ends[1]))
+        if not rows or self.realized.losing(batch) or not self._drafting_pays(batch, base_ms, counts_of):
             return out, False
         self.stats["drafting_steps"] += 1
         weak_below = self._draft_bar(batch) if self.dense is not None else 0.0
@@ -417,8 +421,12 @@ class RestDrafter:
             raw.append(chance)
             chances.append(self.calibration[state.kind].apply(chance))
             self.recent.add(chances[-1])
-        worth, base = (None, None) if last is None else \
-            last_request_worth([c[0] if c else 0.0 for c in chances], self.cost, batch)
+        worth, base = None, None
+        if ends is not None:
+            firsts = [c[0] if c else 0.0 for (i, _), c in zip(rows, chances) if i in ends[0]]
+            if not last_requests_gain(firsts, self.cost, batch, base_ms):  # not every last one would gain
+                return out, True
+            worth, base = [1.0] * len(rows), float(len(rows))
         counts = plan_drafts(chances, self.cost, batch=batch, base_ms=base_ms,  # the lookups are made: not counted
                              worth=worth, base=base)
         if self.cost.probe(batch):  # the newest steps cannot tell what a draft costs: this one drafts half
@@ -428,22 +436,25 @@ class RestDrafter:
             out[i] = chain.tokens[1:k + 1].tolist()
         return out, True
 
-    def _drafting_pays(self, batch: int, base_ms: float, last: Optional[set] = None) -> bool:
-        """serving.load.typical_pay for the recent chains at this batch size (with `last`, the rows of the requests
-        the batch ends with: serving.load.last_requests_pay for that many lookups), asked again only when what it
-        weighs has changed: the typical chains, the batch size, the step cost's fit or level (to 5%: it scales the
-        engine's times, which propose()'s own are weighed against), or propose()'s times (to 0.1 ms).  Right
-        after a forward pass its table work runs from cold caches: 0.17 ms of a 0.34 ms step that looked nothing
-        up, at 16 requests on a 2-core Zen 5."""
-        looked = batch if last is None else len(last)
-        typical = self.recent.typical(looked, self.profile.chain(self.max_drafts))
+    def _drafting_pays(self, batch: int, base_ms: float, ends: Optional[tuple[int, int]] = None) -> bool:
+        """serving.load.typical_pay for the recent chains at this batch size (with `ends`, how many requests the
+        batch ends with and how many are near them: serving.load.last_requests_pay, the near ones looked up),
+        asked again only when what it weighs has changed: the typical chains, the batch size, the step cost's fit
+        or level (to 5%: it scales the engine's times, which propose()'s own are weighed against), or propose()'s
+        times (to 0.1 ms).  Right after a forward pass its table work runs from cold caches: 0.17 ms of a 0.34 ms
+        step that looked nothing up, at 16 requests on a 2-core Zen 5."""
+        prior = self.profile.chain(self.max_drafts)
+        looked = batch if ends is None else ends[1]
+        typical = self.recent.typical(looked, prior)
         overhead_ms = self.propose_time.drafting_ms(batch) * looked / batch
-        key = (batch, looked, last is None, self.cost.fits, round(self.cost.level * 20), round(overhead_ms, 1),
-               round(base_ms, 1))
+        key = (batch, ends, self.cost.fits, round(self.cost.level * 20), round(overhead_ms, 1), round(base_ms, 1))
         asked, answered, pays = self._pays
         if asked is not typical or answered != key:
-            ask = typical_pay if last is None else last_requests_pay
-            pays = ask(typical, self.cost, batch, overhead_ms, base_ms)
+            if ends is None:
+                pays = typical_pay(typical, self.cost, batch, overhead_ms, base_ms)
+            else:
+                last = typical if ends[0] == looked else typical_chains(self.recent.chains(prior), ends[0])
+                pays = last_requests_pay(last, typical, self.cost, batch, overhead_ms, base_ms)
             self._pays = (typical, key, pays)
         return pays
 

@@ -166,18 +166,18 @@ def plan_drafts(chances: Sequence[Sequence[float]], cost, batch: Optional[int] =
 
 
 def last_request_worth(first_chances: Sequence[float], cost, batch: int) -> tuple[list[float], float]:
-    """What an accepted token of each of the batch's last requests is worth when nothing waits to join (the batch
-    is done when they are): `first_chances[i]`, the chance that last request i keeps its first draft this step.
+    """What an accepted first draft of each of the batch's last requests is worth when nothing waits to join
+    (the batch is done when they are): `first_chances[i]`, the chance that last request i keeps its first draft
+    this step.  The gate of the plan for those requests (`last_requests_worth`).
 
     The last requests are those with the most tokens still to go; the batch ends a step sooner only when every
     one of them has gained a token.  Each gains at a step with its chance q_i, so a step saved takes about
     sum_j 1/q_j drafting steps of theirs, and saves the batch's final step, over those requests alone:
     S = T(n, 0).  Valuing request i's token at S (1/q_i) / sum_j (1/q_j) makes each of their first drafts worth
-    S / sum_j (1/q_j) at its chance: the batch drafts for all of them or for none, and never where one of them
-    has next to no chance (the least served decides).  The other requests' tokens are worth nothing here (they
-    would only end sooner than the batch does; they are not looked up).  Worth is in tokens of the step's own,
-    T(batch, 0) / batch ms each, and the step's own tokens are `batch` of them (plan_drafts' `worth` and `base`).
-    With every request last and their chances equal, each token is worth one: the plan is throughput's."""
+    S / sum_j (1/q_j) at its chance: they draft together or not at all, and never where one of them has next to
+    no chance (the least served decides).  Worth is in tokens of the step's own, T(batch, 0) / batch ms each,
+    and the step's own tokens are `batch` of them (plan_drafts' `worth` and `base`).  With every request last
+    and their chances equal, each token is worth one: the plan is throughput's."""
     n = len(first_chances)
     if n == 0 or batch <= 0:
         return [], float(max(batch, 0))
@@ -186,16 +186,30 @@ def last_request_worth(first_chances: Sequence[float], cost, batch: int) -> tupl
     return (saved_ms / token_ms * inverse / inverse.sum()).tolist(), float(batch)
 
 
-def last_requests_pay(typical: Sequence[Sequence[float]], cost, batch: int, overhead_ms: float,
-                      base_ms: float = 0.0) -> bool:
-    """typical_pay for a batch that nothing waits to join, with `typical`: one chain per last request (the
-    recent chains' typical mix for that many requests) and `overhead_ms`: drafting's time for looking them up:
-    whether they would pay valued as last_request_worth values them."""
-    if batch <= 0 or not typical:
+def last_requests_gain(first_chances: Sequence[float], cost, batch: int, base_ms: float = 0.0) -> bool:
+    """Whether the batch's last requests (`first_chances`: each one's chance of keeping its first draft) would
+    gain enough, all of them together, for any of their first drafts to pay as last_request_worth values them
+    (the gate of drafting for a batch that nothing waits to join)."""
+    if not first_chances:
         return False
-    worth, base = last_request_worth([chain[0] if chain else 0.0 for chain in typical], cost, batch)
-    return sum(plan_drafts(typical, cost, batch, overhead_ms=overhead_ms, base_ms=base_ms, worth=worth,
+    worth, base = last_request_worth(first_chances, cost, batch)
+    return sum(plan_drafts([[q] for q in first_chances], cost, batch, base_ms=base_ms, worth=worth,
                            base=base)) > 0
+
+
+def last_requests_pay(typical_last: Sequence[Sequence[float]], typical_near: Sequence[Sequence[float]], cost,
+                      batch: int, overhead_ms: float, base_ms: float = 0.0) -> bool:
+    """typical_pay for a batch that nothing waits to join: whether chains like the recent ones would get past
+    last_requests_gain for that many last requests (`typical_last`), and would then pay for their tokens and for
+    drafting's time (`overhead_ms`) over the requests near the last (`typical_near`: those within
+    num_speculative_tokens of them, any of which may end the batch), a token of theirs counting in full."""
+    if batch <= 0 or not typical_last or not typical_near:
+        return False
+    if not last_requests_gain([chain[0] if chain else 0.0 for chain in typical_last], cost, batch, base_ms):
+        return False
+    near = len(typical_near)
+    return sum(plan_drafts(typical_near, cost, batch, overhead_ms=overhead_ms, base_ms=base_ms,
+                           worth=[1.0] * near, base=float(near))) > 0
 
 
 def _table(chains: Sequence[Sequence[float]]) -> np.ndarray:
