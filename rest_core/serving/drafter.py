@@ -25,8 +25,9 @@ verified next.  It uses the decoder's own parts, not copies of them:
                                     nearby sizes weighed together); when nothing waits to join
                                     the batch (its requests started together and the engine's scheduler, where
                                     it can be asked, says nothing waits; or it shrank and none joined), only
-                                    for the requests it ends with, those with the most tokens still to go, and
-                                    only if all of them would gain (serving.load.last_request_worth)
+                                    in steps where every request it ends with (the most tokens still to go)
+                                    can gain, and only for the requests near those (serving.load.
+                                    last_requests_gain)
 
 A request's state lives exactly while the request is in the running batch: a request that finishes, is preempted
 or is left out of a step is forgotten (its output joins the history once), and one that comes back is rebuilt
