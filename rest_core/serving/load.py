@@ -168,7 +168,7 @@ def plan_drafts(chances: Sequence[Sequence[float]], cost, batch: Optional[int] =
 def last_request_worth(first_chances: Sequence[float], cost, batch: int) -> tuple[list[float], float]:
     """What an accepted first draft of each of the batch's last requests is worth when nothing waits to join
     (the batch is done when they are): `first_chances[i]`, the chance that last request i keeps its first draft
-    this step.  The gate of the plan for those requests (`last_requests_worth`).
+    this step: the gate of drafting for those requests (`last_requests_gain`).
 
     The last requests are those with the most tokens still to go; the batch ends a step sooner only when every
     one of them has gained a token.  Each gains at a step with its chance q_i, so a step saved takes about
