@@ -109,6 +109,7 @@ def test_the_recent_chains_typical_mix_is_kept_until_the_chains_batch_or_prior_c
     assert first == typical_chains(recent.chains(prior), 4)
     assert recent.typical(4, prior) is first  # asked again with nothing changed: the same answer, not recomputed
     assert recent.typical(2, prior) == typical_chains(recent.chains(prior), 2)
+    assert recent.typical(4, prior) is first  # each size's mix is kept beside the others'
     assert recent.typical(4, [0.5, 0.25]) == typical_chains(recent.chains([0.5, 0.25]), 4)
     recent.add([0.99, 0.98, 0.97])
     assert recent.typical(4, prior) == typical_chains(recent.chains(prior), 4)  # a new chain counts at once

@@ -54,7 +54,6 @@ from rest_core.serving.load import (
     last_requests_gain,
     last_requests_pay,
     plan_drafts,
-    typical_chains,
     typical_pay,
 )
 from rest_core.tree import DraftTree, build_draft_tree, keep_nodes
@@ -422,14 +421,14 @@ class RestDrafter:
             raw.append(chance)
             chances.append(self.calibration[state.kind].apply(chance))
             self.recent.add(chances[-1])
-        worth, base = None, None
+        base = None  # the plan's default: every request's tokens count in full
         if ends is not None:
             firsts = [c[0] if c else 0.0 for (i, _), c in zip(rows, chances) if i in ends[0]]
             if not last_requests_gain(firsts, self.cost, batch, base_ms):  # not every last one would gain
                 return out, True
-            worth, base = [1.0] * len(rows), float(len(rows))
+            base = float(len(rows))  # the near requests' tokens count in full, the others' not at all
         counts = plan_drafts(chances, self.cost, batch=batch, base_ms=base_ms,  # the lookups are made: not counted
-                             worth=worth, base=base)
+                             base=base)
         if self.cost.probe(batch):  # the newest steps cannot tell what a draft costs: this one drafts half
             counts = [k // 2 for k in counts]
         for (i, state), chain, chance, k in zip(rows, chains, raw, counts):
@@ -454,8 +453,8 @@ class RestDrafter:
             if ends is None:
                 pays = typical_pay(typical, self.cost, batch, overhead_ms, base_ms)
             else:
-                last = typical if ends[0] == looked else typical_chains(self.recent.chains(prior), ends[0])
-                pays = last_requests_pay(last, typical, self.cost, batch, overhead_ms, base_ms)
+                pays = last_requests_pay(self.recent.typical(ends[0], prior), typical, self.cost, batch,
+                                         overhead_ms, base_ms)
             self._pays = (typical, key, pays)
         return pays
 

@@ -14,9 +14,9 @@ layer so that each pass hands on the hidden state there of the rows the dense so
 on vLLM's plain path instead of its rejection sampler (the same tokens, less work).
 
 Nor does the proposer learn whether requests wait to be scheduled.  Where the engine core runs the model in its own
-process (one worker: vLLM's CPU engine, one GPU), its scheduler is among the proposer's callers at every step;
-`calling_scheduler` finds it once and `waiting_requests` asks it how many requests wait (None where it is not
-there: workers in processes of their own, as with tensor parallelism).
+process (one GPU worker), its scheduler is among the proposer's callers at every step; `calling_scheduler` finds it
+once and `waiting_requests` asks it how many requests wait.  Where the worker has a process of its own (vLLM's CPU
+engine always, tensor parallelism) it is not there: None.
 """
 from __future__ import annotations
 
@@ -35,31 +35,34 @@ SEARCHED_FRAMES = 6
 SCHEDULER_FRAMES = 24  # frames searched for the engine core's scheduler (propose() is about ten below its step)
 
 
-def calling_runner(depth: int = 2) -> Optional[Any]:
-    """The vLLM model runner among the callers (the object whose input batch lists the running requests)."""
-    frame = sys._getframe(depth)
-    for _ in range(SEARCHED_FRAMES):
+def _among_callers(depth: int, frames: int, pick: Callable[[Any], Optional[Any]]) -> Optional[Any]:
+    """A weak proxy of the first non-None `pick(owner)` over the `self` of the callers' frames, from `depth` frames
+    up and at most `frames` of them, or None."""
+    frame = sys._getframe(depth + 1)
+    for _ in range(frames):
         if frame is None:
             return None
-        owner = frame.f_locals.get("self")
-        if owner is not None and hasattr(type(owner), "propose_draft_token_ids"):
-            return weakref.proxy(owner)
+        found = pick(frame.f_locals.get("self"))
+        if found is not None:
+            return weakref.proxy(found)
         frame = frame.f_back
     return None
+
+
+def calling_runner(depth: int = 2) -> Optional[Any]:
+    """The vLLM model runner among the callers (the object whose input batch lists the running requests)."""
+    return _among_callers(depth, SEARCHED_FRAMES,
+                          lambda owner: owner if hasattr(type(owner), "propose_draft_token_ids") else None)
 
 
 def calling_scheduler(depth: int = 2) -> Optional[Any]:
     """The vLLM scheduler whose step is among the callers (the engine core's `scheduler`, which counts the running
     and waiting requests), or None."""
-    frame = sys._getframe(depth)
-    for _ in range(SCHEDULER_FRAMES):
-        if frame is None:
-            return None
-        scheduler = getattr(frame.f_locals.get("self"), "scheduler", None)
-        if callable(getattr(scheduler, "get_request_counts", None)):
-            return weakref.proxy(scheduler)
-        frame = frame.f_back
-    return None
+    def pick(owner: Any) -> Optional[Any]:
+        scheduler = getattr(owner, "scheduler", None)
+        return scheduler if callable(getattr(scheduler, "get_request_counts", None)) else None
+
+    return _among_callers(depth, SCHEDULER_FRAMES, pick)
 
 
 def waiting_requests(scheduler: Any) -> Optional[int]:

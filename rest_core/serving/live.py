@@ -52,6 +52,7 @@ REALIZED_MIN = 8  # ... and at least this many of each before they may switch dr
 STALL_CAP = 3.0  # ... each step's time counted at most this many times its kind's median
 RECENT_CHAINS = 64  # the newest looked-up requests' chains: whether drafting would pay, asked before any lookup ...
 MIN_CHAINS = 8  # ... the hopeful prior standing in for the missing ones while fewer are known
+TYPICAL_KEPT = 8  # typical mixes of the same chains kept at once (the batch's size, its last requests' number)
 
 
 def theil_sen(x: np.ndarray, y: np.ndarray) -> Optional[tuple[float, float]]:
@@ -208,30 +209,34 @@ class RecentChains:
     def __init__(self):
         self._chains: deque = deque(maxlen=RECENT_CHAINS)  # (step, chances)
         self._step = 0
-        self._typical: tuple = (None, None)  # (what they were computed from, serving.load.typical_chains' answer)
+        self._typical: dict = {}  # (batch size, prior) -> serving.load.typical_chains' answer for these chains
 
     def tick(self) -> None:
         """One more engine step."""
         self._step += 1
         while self._chains and self._chains[0][0] <= self._step - PROPOSE_STALE:
             self._chains.popleft()
-            self._typical = (None, None)
+            self._typical.clear()
 
     def add(self, chances: list[float]) -> None:
         self._chains.append((self._step, chances))
-        self._typical = (None, None)
+        self._typical.clear()
 
     def chains(self, prior: list[float]) -> list[list[float]]:
         known = [c for _, c in self._chains]
         return known + [prior] * max(0, MIN_CHAINS - len(known))
 
     def typical(self, batch: int, prior: list[float]) -> list[list[float]]:
-        """serving.load.typical_chains of these chains for a batch of this size, kept until the chains, the batch
-        size or the prior change (a step that looks nothing up asks again with the same ones)."""
+        """serving.load.typical_chains of these chains for a batch of this size, kept per size and prior until the
+        chains change (a step that looks nothing up asks again with the same ones; a batch that nothing waits to
+        join asks for two sizes: its requests near the last and its last ones)."""
         key = (batch, tuple(prior))
-        if self._typical[0] != key:
-            self._typical = (key, typical_chains(self.chains(prior), batch))
-        return self._typical[1]
+        got = self._typical.get(key)
+        if got is None:
+            if len(self._typical) >= TYPICAL_KEPT:
+                self._typical.clear()
+            got = self._typical[key] = typical_chains(self.chains(prior), batch)
+        return got
 
 
 def batch_group(batch: int) -> int:

@@ -207,9 +207,8 @@ def last_requests_pay(typical_last: Sequence[Sequence[float]], typical_near: Seq
         return False
     if not last_requests_gain([chain[0] if chain else 0.0 for chain in typical_last], cost, batch, base_ms):
         return False
-    near = len(typical_near)
     return sum(plan_drafts(typical_near, cost, batch, overhead_ms=overhead_ms, base_ms=base_ms,
-                           worth=[1.0] * near, base=float(near))) > 0
+                           base=float(len(typical_near)))) > 0
 
 
 def _table(chains: Sequence[Sequence[float]]) -> np.ndarray:
