@@ -1519,6 +1519,26 @@ def test_the_wave_trace_reads_each_propose_call_as_a_step():
                        "verified": 4, "kept": 3, "last_steps": 1}
 
 
+def test_the_wave_trace_splits_a_wave_into_its_phases_and_fits_the_engine_s_step():
+    """tools/vllm_wave_trace.py: the prompts (the first three calls), every request decoding (until the step
+    before the first one finished) and the tail; the engine's step fitted as fixed + per request + per draft."""
+    from conftest import tool
+
+    trace = tool("vllm_wave_trace")
+    timeline = [(500.0, 0), (100.0, 0), (40.0, 0), (30.0, 0), (30.0, 0), (20.0, 1), (10.0, 1)]
+    got = trace.phases(timeline)
+    assert got["prompts"] == (3, pytest.approx(0.64)) and got["all decoding"] == (2, pytest.approx(0.06))
+    assert got["tail"] == (2, pytest.approx(0.03))
+    assert trace.phases([(500.0, 1), (10.0, 0)])["all decoding"] == (0, 0)  # a request done in the prompt step
+    # steps that follow 18 ms + 0.8 a request + 0.9 a draft exactly, the first three (prompts) off the line
+    steps = [{"batch": 16, "verified": 0, "engine_ms": 400.0}] * 3 + [
+        {"batch": b, "verified": d, "engine_ms": 18 + 0.8 * b + 0.9 * d} for b in (16, 12, 8, 3) for d in (0, 4, 9)]
+    fixed, per_request, per_draft = trace.fit_steps(steps)
+    assert (fixed, per_request, per_draft) == (pytest.approx(18), pytest.approx(0.8), pytest.approx(0.9))
+    assert trace.fit_steps(steps[:8]) is None  # five decoding steps: too few to tell
+    assert trace.fit_steps([{**s, "verified": 0} for s in steps]) is None  # no step drafted: no draft's cost
+
+
 # -- what drafting really brought ------------------------------------------------------------------------------
 def test_realized_rates_switch_drafting_off_where_its_steps_give_fewer_tokens_per_ms_and_try_again_later():
     from rest_core.serving.live import PROPOSE_STALE, REALIZED_MIN, RealizedRates
@@ -1628,3 +1648,7 @@ def test_pooled_samples_pair_each_method_with_plain_sample_by_sample_and_pick_wa
     assert pool.samples(result, "rest", "chat/16", waves_from=1) == pytest.approx([1.1])
     assert pool.samples(result, "rest", "chat/16", first_wave=True) == pytest.approx([0.9, 1.1])
     assert pool.samples({"settings": {}, "rounds": result["rounds"]}, "rest", "humaneval/16") == []
+    # against the never-drafting proposer: only the samples that ran it, each read against its own
+    result["rounds"][0]["empty"] = {"runs": {"chat/16": {"tokens_per_s": 95}}}
+    result["rounds"][2]["empty"] = {"runs": {"chat/16": {"tokens_per_s": 200}}}
+    assert pool.samples(result, "rest", "chat/16", base="empty") == pytest.approx([90 / 95, 1.1])

@@ -6,11 +6,12 @@ drafts it gave, whether it looked the stores up, and the drafts verified and kep
     .venv-vllm/bin/python tools/vllm_wave_trace.py MODEL --suite chat --batch 16 --methods plain rest plain rest
     (run it with the environment `rest_core.serving.launch.vllm_env` gives, as tools/vllm_draft_cost.py)
 
-Per method it prints the wall, the engine steps, the first step (it reads the prompts), the median decoding step and
-at which steps the first and the last request finished (the benchmark's own serving loop, `run_batch`); for REST
-also the time in propose() in steps that looked the stores up and in steps that did not, and every step that drafted
-(with `--all-steps`, every step). With 16 prompts at batch 16 that is the benchmark's one-wave cell, with `--limit
-40` its sustained one.
+Per method it prints the wall, the engine steps, the first step (it reads the prompts), the median decoding step, at
+which steps the first and the last request finished (the benchmark's own serving loop, `run_batch`) and the wave's time
+in three phases (the prompts, every request decoding, the tail from the first request's end); for REST also the time in
+propose() in steps that looked the stores up and in steps that did not, the engine's step fitted as a fixed time plus a
+time per request and per draft verified, and every step that drafted (with `--all-steps`, every step). With 16 prompts
+at batch 16 that is the benchmark's one-wave cell, with `--limit 40` its sustained one.
 """
 from __future__ import annotations
 
@@ -77,6 +78,31 @@ def propose_summary(steps: list[dict]) -> dict:
             "kept": sum(s["kept"] for s in steps), "last_steps": sum(s.get("last", False) for s in steps)}
 
 
+def phases(timeline: list[tuple[float, int]]) -> dict:
+    """A wave's client-side step times in three phases: the prompts (the first three calls, where vLLM reads
+    them), every request decoding (up to the step before the first one finished) and the tail (from that step
+    on, the batch shrinking): per phase its steps and seconds."""
+    ms = [step_ms for step_ms, _ in timeline]
+    done = next((i for i, (_, finished) in enumerate(timeline) if finished), len(ms))
+    cut = max(min(done, len(ms)), 3)
+    parts = {"prompts": ms[:3], "all decoding": ms[3:cut], "tail": ms[cut:]}
+    return {name: (len(part), sum(part) / 1e3) for name, part in parts.items()}
+
+
+def fit_steps(steps: list[dict]) -> Optional[tuple[float, float, float]]:
+    """Least squares over REST's decoding steps (the first three left out): a step's engine ms as
+    fixed + per_request x requests + per_draft x drafts verified in it; None with too few steps to tell."""
+    rows = [(s["batch"], s["verified"], s["engine_ms"]) for s in steps[3:] if s["engine_ms"] is not None]
+    if len(rows) < 8 or len({r[0] for r in rows}) < 2 or len({r[1] for r in rows}) < 2:
+        return None
+    import numpy as np
+
+    data = np.array(rows, dtype=float)
+    design = np.c_[np.ones(len(data)), data[:, 0], data[:, 1]]
+    coef, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="the served model folder (REST Lab's converted copy for the default model)")
@@ -116,6 +142,8 @@ def main(argv=None) -> int:
         print(f"{method}: {got['wall_s']:.3f} s, {len(ms)} steps, first step {sum(ms[:3]):.0f} ms (the first "
               f"three calls), decoding step median {statistics.median(ms[3:]):.1f} ms; first request done at step "
               f"{done_at[0]}, last at step {done_at[-1]}", flush=True)
+        print("  " + "; ".join(f"{name}: {n} steps, {sec:.3f} s" + (f" ({1e3 * sec / n:.1f} ms each)" if n else "")
+                               for name, (n, sec) in phases(timeline).items()))
         if method == "rest" and trace.exists():
             records = [json.loads(line) for line in trace.read_text().splitlines()]
             steps = steps_of(records[skip:], records[skip - 1] if skip else None)
@@ -124,6 +152,10 @@ def main(argv=None) -> int:
                   f"{s['quiet_steps']} did not ({s['quiet_ms']:.2f} ms); {s['drafts']} drafts given, "
                   f"{s['verified']} verified, {s['kept']} kept; {s['last_steps']} steps served for the requests "
                   f"the batch ends with")
+            fit = fit_steps(steps)
+            if fit is not None:
+                print(f"  a decoding step of the engine: {fit[0]:.1f} ms + {fit[1]:.2f} ms a request + {fit[2]:.2f} ms "
+                      f"a draft verified (least squares over its steps)")
             for i, st in enumerate(steps):
                 if args.all_steps or st["drafts"] or st["looked"] or st["verified"]:
                     engine = f"{st['engine_ms']:6.1f}" if st["engine_ms"] is not None else "     -"

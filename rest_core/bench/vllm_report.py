@@ -22,11 +22,11 @@ def _identical(result: dict, method: str, key: str) -> tuple[int, int]:
     return same, total
 
 
-def ratios(result: dict, method: str, key: str) -> list[float]:
-    """tokens/s against plain vLLM's in the same round, per round that ran both."""
-    return [r[method]["runs"][key]["tokens_per_s"] / r["plain"]["runs"][key]["tokens_per_s"]
+def ratios(result: dict, method: str, key: str, base: str = "plain") -> list[float]:
+    """tokens/s against `base`'s (plain vLLM's) in the same round, per round that ran both."""
+    return [r[method]["runs"][key]["tokens_per_s"] / r[base]["runs"][key]["tokens_per_s"]
             for r in result["rounds"] if key in r.get(method, {}).get("runs", {})
-            and key in r.get("plain", {}).get("runs", {})]
+            and key in r.get(base, {}).get("runs", {})]
 
 
 def _spread(values: list[float], unit: str = "", more: str = "") -> str:
