@@ -909,6 +909,44 @@ def test_a_batch_that_started_together_with_nothing_waiting_drafts_only_if_the_r
     assert not drafter.together and all(got.values())
 
 
+def test_a_request_is_given_no_more_drafts_than_its_tokens_left_can_use(tmp_path, monkeypatch):
+    """vLLM verifies every draft a request is given, but one with r tokens left keeps at most r - 1 of them: a
+    request with 3 left gets 2 at most, one with a token or none left is not looked up at all; the drafter's own
+    limits hold where the engine says nothing of what is left."""
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    cost = table(40.0, 0.1)  # drafts nearly free: each request drafts as deep as it can use
+    drafter = cyclic_drafter(tmp_path, cost)
+    seqs = {rid: [CYCLE[(p + i) % len(CYCLE)] for p in range(4)] for i, rid in enumerate(("r0", "r1", "r2", "r3"))}
+    new = {rid: seq[-1:] for rid, seq in seqs.items()}
+    looked = []
+    chain = drafter._chain
+    monkeypatch.setattr(drafter, "_chain", lambda state, row, *a: looked.append(int(row[0])) or chain(state, row, *a))
+
+    def step(remaining):
+        ids = list(seqs)
+        rows = np.zeros((len(ids), max(len(q) for q in seqs.values())), dtype=np.int64)
+        for r, rid in enumerate(ids):
+            rows[r, :len(seqs[rid])] = seqs[rid]
+        looked.clear()
+        out = drafter.step(ids, [new[r] for r in ids], [len(seqs[r]) for r in ids], rows,
+                           None if remaining is None else [remaining[r] for r in ids], 3)  # requests wait
+        for rid, drafts in zip(ids, out):
+            start = CYCLE.index(seqs[rid][-1]) + 1
+            new[rid] = [CYCLE[(start + j) % len(CYCLE)] for j in range(len(drafts) + 1)]
+            seqs[rid] += new[rid]
+        clock.pass_ms(cost(len(ids), sum(map(len, out))))
+        return dict(zip(ids, map(len, out)))
+
+    for _ in range(8):
+        got = step({"r0": 100, "r1": 3, "r2": 1, "r3": 0})
+    assert got["r0"] > 2 and 0 < got["r1"] <= 2 and got["r2"] == got["r3"] == 0
+    assert sorted(looked) == sorted(seqs[r][0] for r in ("r0", "r1"))  # the two with nothing to gain: no lookup
+    assert all(step(None).values())  # the engine does not say: every request drafts again
+
+
 def test_the_step_cost_follows_the_machine_as_it_runs_now(tmp_path, monkeypatch):
     """Calibrated with drafts nearly free; then every step takes twice as long and each draft token 30 ms more
     (a loaded machine where a wider step turned compute-bound): drafting stops, and comes back once the machine
@@ -1506,8 +1544,8 @@ def test_the_wave_trace_reads_each_propose_call_as_a_step():
     from conftest import tool
 
     trace = tool("vllm_wave_trace")
-    records = [[10.000, 2.0, 16, 4, True, 0, 0, False], [10.034, 0.5, 16, 0, False, 3, 4, True],
-               [10.0655, 0.5, 15, 0, False, 3, 4]]  # a line of an older trace: no last-request flag
+    records = [[10.000, 2.0, 16, 4, True, 0, 0, False, 1], [10.034, 0.5, 16, 0, False, 3, 4, True],
+               [10.0655, 0.5, 15, 0, False, 3, 4]]  # lines of older traces: no count of drafts past, no flag
     steps = trace.steps_of(records)
     assert steps[0]["engine_ms"] is None
     assert steps[1]["engine_ms"] == pytest.approx(32.0) and steps[2]["engine_ms"] == pytest.approx(31.0)
@@ -1516,7 +1554,7 @@ def test_the_wave_trace_reads_each_propose_call_as_a_step():
     assert [(s["verified"], s["kept"]) for s in after_warm_up] == [(4, 3), (0, 0)]  # the warm-up's not counted
     summary = trace.propose_summary(steps)
     assert summary == {"looked_steps": 1, "looked_ms": 2.0, "quiet_steps": 2, "quiet_ms": 0.5, "drafts": 4,
-                       "verified": 4, "kept": 3, "last_steps": 1}
+                       "verified": 4, "kept": 3, "last_steps": 1, "past": 1}
 
 
 def test_the_wave_trace_splits_a_wave_into_its_phases_and_fits_the_engine_s_step():

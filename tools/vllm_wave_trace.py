@@ -26,6 +26,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rest_core.serving.engine import remaining_tokens, running_request_ids
 from rest_core.vllm import RestProposer
 
 TRACE_ENV = "REST_LAB_WAVE_TRACE"
@@ -34,7 +35,8 @@ TRACE_ENV = "REST_LAB_WAVE_TRACE"
 class TracedRest(RestProposer):
     """REST's proposer, writing a line per propose() call to the file REST_LAB_WAVE_TRACE names: [start (s), its
     own ms, requests, drafts given, looked up, drafts kept so far, drafts verified so far, served for the
-    requests the batch ends with (nothing waited to join it)]."""
+    requests the batch ends with (nothing waited to join it), drafts past what their requests' tokens left could
+    use (a request with r left keeps r - 1 at most)]."""
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
@@ -44,10 +46,13 @@ class TracedRest(RestProposer):
         start = time.perf_counter()
         looked, last = self.drafter.stats["drafting_steps"], self.drafter.stats["last_request_steps"]
         out = super().propose(sampled_token_ids, *args, **kwargs)
+        ms = (time.perf_counter() - start) * 1e3
         stats = self.drafter.stats
-        self._trace.write(json.dumps([start, (time.perf_counter() - start) * 1e3, len(sampled_token_ids),
-                                      sum(map(len, out)), stats["drafting_steps"] > looked, stats["accepted"],
-                                      stats["drafted"], stats["last_request_steps"] > last]) + "\n")
+        left = remaining_tokens(self.runner, running_request_ids(self.runner, len(out)))
+        past = 0 if left is None else sum(max(0, len(drafts) - max(0, r - 1)) for drafts, r in zip(out, left))
+        self._trace.write(json.dumps([start, ms, len(sampled_token_ids), sum(map(len, out)),
+                                      stats["drafting_steps"] > looked, stats["accepted"], stats["drafted"],
+                                      stats["last_request_steps"] > last, past]) + "\n")
         return out
 
 
@@ -59,23 +64,25 @@ def steps_of(records: list[list], before: Optional[list] = None) -> list[dict]:
     out, end, kept, verified = [], None, 0, 0
     if before is not None:
         kept, verified = before[5], before[6]
-    for start, ms, batch, given, looked, kept_all, verified_all, *last in records:
+    for start, ms, batch, given, looked, kept_all, verified_all, *more in records:  # older traces: fewer fields
         out.append({"engine_ms": None if end is None else (start - end) * 1e3, "propose_ms": ms, "batch": batch,
                     "drafts": given, "looked": bool(looked), "verified": verified_all - verified,
-                    "kept": kept_all - kept, "last": bool(last and last[0])})
+                    "kept": kept_all - kept, "last": bool(more and more[0]), "past": more[1] if len(more) > 1 else 0})
         end, kept, verified = start + ms / 1e3, kept_all, verified_all
     return out
 
 
 def propose_summary(steps: list[dict]) -> dict:
     """propose()'s mean ms in steps that looked the stores up and in steps that did not, the drafts given,
-    verified and kept in all, and the steps served for the requests the batch ends with."""
+    verified and kept in all, the steps served for the requests the batch ends with, and the drafts given past what
+    their requests' tokens left could use."""
     looked = [s["propose_ms"] for s in steps if s["looked"]]
     quiet = [s["propose_ms"] for s in steps if not s["looked"]]
     return {"looked_steps": len(looked), "looked_ms": statistics.fmean(looked) if looked else 0.0,
             "quiet_steps": len(quiet), "quiet_ms": statistics.fmean(quiet) if quiet else 0.0,
             "drafts": sum(s["drafts"] for s in steps), "verified": sum(s["verified"] for s in steps),
-            "kept": sum(s["kept"] for s in steps), "last_steps": sum(s.get("last", False) for s in steps)}
+            "kept": sum(s["kept"] for s in steps), "last_steps": sum(s.get("last", False) for s in steps),
+            "past": sum(s.get("past", 0) for s in steps)}
 
 
 def phases(timeline: list[tuple[float, int]]) -> dict:
@@ -150,8 +157,8 @@ def main(argv=None) -> int:
             s = propose_summary(steps)
             print(f"  propose(): {s['looked_steps']} steps looked up ({s['looked_ms']:.2f} ms each), "
                   f"{s['quiet_steps']} did not ({s['quiet_ms']:.2f} ms); {s['drafts']} drafts given, "
-                  f"{s['verified']} verified, {s['kept']} kept; {s['last_steps']} steps served for the requests "
-                  f"the batch ends with")
+                  f"{s['verified']} verified, {s['kept']} kept ({s['past']} past what their requests' tokens left "
+                  f"could use); {s['last_steps']} steps served for the requests the batch ends with")
             fit = fit_steps(steps)
             if fit is not None:
                 print(f"  a decoding step of the engine: {fit[0]:.1f} ms + {fit[1]:.2f} ms a request + {fit[2]:.2f} ms "

@@ -400,11 +400,17 @@ class RestDrafter:
         batch = len(req_ids)
         base_ms = self.propose_time.plain_ms(batch)
         self.recent.tick()
+        if remaining is not None and len(remaining) != batch:
+            remaining = None
         ends = self._last_requests(remaining, batch)
+        if remaining is not None:
+            # a request with r tokens left makes at most r in its next step, its token and r - 1 drafts: vLLM
+            # verifies every draft it is given all the same, so one with a token or none left is not looked up
+            rows = [(i, state) for i, state in rows if remaining[i] > 1]
         if ends is not None:
             self.stats["last_request_steps"] += 1
             # only the requests near the last are worth drafting for, and only if every last one can gain: one
-            # still reading its prompt cannot this step
+            # still reading its prompt cannot this step, nor one with a single token to go
             last, near = ends
             decoding = {i for i, _ in rows}
             rows = [(i, state) for i, state in rows if i in near] if last <= decoding else []
@@ -416,7 +422,8 @@ class RestDrafter:
         chains, raw, chances = [], [], []
         for i, state in rows:
             hidden = self._hidden(req_ids[i], sampled[i], states) if self.dense is not None else None
-            chain, chance = self._chain(state, tokens[i], int(lengths[i]), hidden, weak_below)
+            chain, chance = self._chain(state, tokens[i], int(lengths[i]), hidden, weak_below,
+                                        None if remaining is None else int(remaining[i]) - 1)
             chains.append(chain)
             raw.append(chance)
             chances.append(self.calibration[state.kind].apply(chance))
@@ -469,11 +476,11 @@ class RestDrafter:
         self.stats["dense_lookups"] = self.stats["dense_chains"] = 0
 
     def _chain(self, state: RequestState, row: np.ndarray, length: int, hidden: Optional[np.ndarray] = None,
-               weak_below: float = 0.0) -> tuple[DraftTree, list[float]]:
+               weak_below: float = 0.0, most: Optional[int] = None) -> tuple[DraftTree, list[float]]:
         """The request's best chain and its prefixes' chances of acceptance (`hidden`: the state that predicted
         its newest token, for the dense store where the other sources leave the chain weak: its first draft's
-        calibrated chance below `weak_below`)."""
-        room = min(self.max_drafts, self.max_len - length - 1)
+        calibrated chance below `weak_below`; `most`: the drafts its tokens left can use)."""
+        room = min(self.max_drafts, self.max_len - length - 1, self.max_drafts if most is None else most)
         context = row[max(0, length - self.settings.n_max):length].tolist()
         stores = self._stores(state, self.history, self.predictions)
         query = query_suffix(context, self.settings)
