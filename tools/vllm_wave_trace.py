@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rest_core.serving.engine import remaining_tokens, running_request_ids
@@ -91,7 +93,7 @@ def phases(timeline: list[tuple[float, int]]) -> dict:
     on, the batch shrinking): per phase its steps and seconds."""
     ms = [step_ms for step_ms, _ in timeline]
     done = next((i for i, (_, finished) in enumerate(timeline) if finished), len(ms))
-    cut = max(min(done, len(ms)), 3)
+    cut = max(done, 3)
     parts = {"prompts": ms[:3], "all decoding": ms[3:cut], "tail": ms[cut:]}
     return {name: (len(part), sum(part) / 1e3) for name, part in parts.items()}
 
@@ -102,8 +104,6 @@ def fit_steps(steps: list[dict]) -> Optional[tuple[float, float, float]]:
     rows = [(s["batch"], s["verified"], s["engine_ms"]) for s in steps[3:] if s["engine_ms"] is not None]
     if len(rows) < 8 or len({r[0] for r in rows}) < 2 or len({r[1] for r in rows}) < 2:
         return None
-    import numpy as np
-
     data = np.array(rows, dtype=float)
     design = np.c_[np.ones(len(data)), data[:, 0], data[:, 1]]
     coef, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)

@@ -376,10 +376,11 @@ class RestDrafter:
         self._running = running
 
     def _last_requests(self, remaining: Optional[Sequence[int]], batch: int) -> Optional[tuple[set, set]]:
-        """When nothing waits to join the batch (`_watch_joining`): the rows of the requests it ends with (the
-        most tokens still to go) and of those near them (within max_drafts: any of them may end it, as a request
-        may stop before its max_tokens); else None: every request's tokens count alike."""
-        if not (self.draining or self.together) or remaining is None or len(remaining) != batch or batch < 2:
+        """When nothing waits to join the batch (`_watch_joining`) and `remaining` (one per row) says what each
+        request may still produce: the rows of the requests it ends with (the most tokens still to go) and of
+        those near them (within max_drafts: any of them may end it, as a request may stop before its max_tokens);
+        else None: every request's tokens count alike."""
+        if not (self.draining or self.together) or remaining is None or batch < 2:
             return None
         top = max(remaining)
         return ({i for i, r in enumerate(remaining) if r == top},
@@ -400,7 +401,7 @@ class RestDrafter:
         batch = len(req_ids)
         base_ms = self.propose_time.plain_ms(batch)
         self.recent.tick()
-        if remaining is not None and len(remaining) != batch:
+        if remaining is not None and len(remaining) != batch:  # not one per row: nothing said
             remaining = None
         ends = self._last_requests(remaining, batch)
         if remaining is not None:
@@ -480,7 +481,9 @@ class RestDrafter:
         """The request's best chain and its prefixes' chances of acceptance (`hidden`: the state that predicted
         its newest token, for the dense store where the other sources leave the chain weak: its first draft's
         calibrated chance below `weak_below`; `most`: the drafts its tokens left can use)."""
-        room = min(self.max_drafts, self.max_len - length - 1, self.max_drafts if most is None else most)
+        room = min(self.max_drafts, self.max_len - length - 1)
+        if most is not None:
+            room = min(room, most)
         context = row[max(0, length - self.settings.n_max):length].tolist()
         stores = self._stores(state, self.history, self.predictions)
         query = query_suffix(context, self.settings)
