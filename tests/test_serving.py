@@ -947,6 +947,94 @@ def test_a_request_is_given_no_more_drafts_than_its_tokens_left_can_use(tmp_path
     assert all(step(None).values())  # the engine does not say: every request drafts again
 
 
+def serve_wave(drafter, clock: FakeTime, cost, name: str, keep: bool, steps: int = 12, left: int = 64) -> int:
+    """One batch of four requests submitted together with nothing waiting (each may produce `left` tokens),
+    served `steps` steps; the engine keeps every draft (`keep`) or none of them (each request gains its one
+    token, the drafts untested).  The drafts given in all."""
+    seqs = {f"{name}{i}": [CYCLE[(p + i) % len(CYCLE)] for p in range(4)] for i in range(4)}
+    new = {rid: seq[-1:] for rid, seq in seqs.items()}
+    remaining = dict.fromkeys(seqs, left)
+    given = 0
+    for _ in range(steps):
+        ids = list(seqs)
+        rows = np.zeros((len(ids), max(len(q) for q in seqs.values())), dtype=np.int64)
+        for r, rid in enumerate(ids):
+            rows[r, :len(seqs[rid])] = seqs[rid]
+        out = drafter.step(ids, [new[r] for r in ids], [len(seqs[r]) for r in ids], rows,
+                           [remaining[r] for r in ids], 0)
+        for rid, drafts in zip(ids, out):
+            start = CYCLE.index(seqs[rid][-1]) + 1
+            new[rid] = [CYCLE[(start + j) % len(CYCLE)] for j in range(len(drafts) + 1 if keep else 1)]
+            seqs[rid] += new[rid]
+            remaining[rid] -= len(new[rid])
+        given += sum(map(len, out))
+        clock.pass_ms(cost(len(ids), sum(map(len, out))))
+    return given
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_batch_end_whose_drafts_saved_less_than_they_cost_is_next_served_without_them(tmp_path, monkeypatch,
+                                                                                        keep):
+    """The drafts for a batch's last requests are settled step by step (the end coming a step sooner saves the
+    step's fixed time, each kept draft its request's share): a batch end whose drafts were all kept saved more
+    than they cost and the next batch drafts again; one whose drafts were never kept saved nothing, and the next
+    batch end of that kind of request is served without looking anything up, though the plan alone would draft
+    (the drafts were untested, so the acceptance it learns is unmoved)."""
+    import rest_core.serving.drafter as drafter_module
+
+    clock = FakeTime()
+    monkeypatch.setattr(drafter_module, "time", clock)
+    cost = table(40.0, 0.5)
+    drafter = cyclic_drafter(tmp_path, cost)
+    assert serve_wave(drafter, clock, cost, "a", keep) > 0
+    again = serve_wave(drafter, clock, cost, "b", keep)  # its requests joining closed the first end
+    ends, saved, spent = drafter.wave_ends.totals("text")
+    assert ends == 1 and spent > 0
+    if keep:
+        assert saved > spent and again > 0 and drafter.stats["wave_end_off_steps"] == 0
+    else:
+        assert saved == 0 and again == 0 and drafter.stats["wave_end_off_steps"] == 12
+    assert drafter.wave_ends.totals("chat") == (0, 0.0, 0.0)
+
+
+def test_what_batch_ends_brought_is_kept_between_runs_and_tried_again_after_a_while(tmp_path, monkeypatch):
+    """WaveEnds: an end that drafted in fewer than WAVE_END_STEPS steps (a batch's first steps) goes on into the
+    next; a kind whose ends lost is served without drafting, the others not; the file keeps the end under way as
+    if closed (a batch's last request leaves unseen), a damaged one reads as nothing measured; after
+    WAVE_END_RETRY steps served without it, drafting is tried again and judged on that end alone."""
+    from rest_core.serving.config import wave_ends_path
+    from rest_core.serving.live import WAVE_END_RETRY, WAVE_END_STEPS, WaveEnds
+
+    monkeypatch.setenv("REST_LAB_STEP_COST", str(tmp_path / "cost.json"))
+    file = wave_ends_path("any engine")
+    assert file == tmp_path / "cost-wave-ends.json"  # beside the step-cost table it was weighed with
+    ends = WaveEnds(file)
+    for _ in range(WAVE_END_STEPS - 1):
+        ends.observe("chat", 0.0, 5.0)
+    ends.begin()
+    assert ends.totals("chat") == (0, 0.0, 0.0) and not ends.losing("chat")  # carried on, not closed
+    ends.observe("chat", 10.0, 5.0)
+    ends.observe("text", 50.0, 20.0)
+    for _ in range(WAVE_END_STEPS):
+        ends.observe("text", 0.0, 1.0)
+    ends.begin()
+    assert ends.totals("chat") == (1, 10.0, 20.0) and ends.losing("chat")
+    assert ends.totals("text") == (1, 50.0, 24.0) and not ends.losing("text")
+    ends.save()
+    kept = WaveEnds(file)  # the next run of the engine
+    assert kept.totals("chat") == (1, 10.0, 20.0) and not kept.losing("text")
+    for _ in range(WAVE_END_RETRY):
+        assert kept.losing("chat")
+    kept.begin()
+    assert not kept.losing("chat")  # tried again
+    for _ in range(WAVE_END_STEPS):
+        kept.observe("chat", 30.0, 10.0)
+    kept.begin()
+    assert kept.totals("chat") == (1, 120.0, 40.0) and not kept.losing("chat")
+    file.write_text("{not json")
+    assert WaveEnds(file).totals("chat") == (0, 0.0, 0.0)
+
+
 def test_the_step_cost_follows_the_machine_as_it_runs_now(tmp_path, monkeypatch):
     """Calibrated with drafts nearly free; then every step takes twice as long and each draft token 30 ms more
     (a loaded machine where a wider step turned compute-bound): drafting stops, and comes back once the machine
@@ -1544,8 +1632,8 @@ def test_the_wave_trace_reads_each_propose_call_as_a_step():
     from conftest import tool
 
     trace = tool("vllm_wave_trace")
-    records = [[10.000, 2.0, 16, 4, True, 0, 0, False, 1], [10.034, 0.5, 16, 0, False, 3, 4, True],
-               [10.0655, 0.5, 15, 0, False, 3, 4]]  # lines of older traces: no count of drafts past, no flag
+    records = [[10.000, 2.0, 16, 4, True, 0, 0, False, 1, False], [10.034, 0.5, 16, 0, False, 3, 4, True, 0, True],
+               [10.0655, 0.5, 15, 0, False, 3, 4]]  # lines of older traces: no count of drafts past, no flags
     steps = trace.steps_of(records)
     assert steps[0]["engine_ms"] is None
     assert steps[1]["engine_ms"] == pytest.approx(32.0) and steps[2]["engine_ms"] == pytest.approx(31.0)
@@ -1554,7 +1642,7 @@ def test_the_wave_trace_reads_each_propose_call_as_a_step():
     assert [(s["verified"], s["kept"]) for s in after_warm_up] == [(4, 3), (0, 0)]  # the warm-up's not counted
     summary = trace.propose_summary(steps)
     assert summary == {"looked_steps": 1, "looked_ms": 2.0, "quiet_steps": 2, "quiet_ms": 0.5, "drafts": 4,
-                       "verified": 4, "kept": 3, "last_steps": 1, "past": 1}
+                       "verified": 4, "kept": 3, "last_steps": 1, "past": 1, "off_steps": 1}
 
 
 def test_the_wave_trace_splits_a_wave_into_its_phases_and_fits_the_engine_s_step():

@@ -38,7 +38,8 @@ class TracedRest(RestProposer):
     """REST's proposer, writing a line per propose() call to the file REST_LAB_WAVE_TRACE names: [start (s), its
     own ms, requests, drafts given, looked up, drafts kept so far, drafts verified so far, served for the
     requests the batch ends with (nothing waited to join it), drafts past what their requests' tokens left could
-    use (a request with r left keeps r - 1 at most)]."""
+    use (a request with r left keeps r - 1 at most), served for them without drafting as their kind's batch ends
+    lately saved less than they spent (serving.live.WaveEnds)]."""
 
     def __init__(self, vllm_config):
         super().__init__(vllm_config)
@@ -46,15 +47,16 @@ class TracedRest(RestProposer):
 
     def propose(self, sampled_token_ids, *args, **kwargs):
         start = time.perf_counter()
-        looked, last = self.drafter.stats["drafting_steps"], self.drafter.stats["last_request_steps"]
+        stats = self.drafter.stats
+        looked, last, off = stats["drafting_steps"], stats["last_request_steps"], stats["wave_end_off_steps"]
         out = super().propose(sampled_token_ids, *args, **kwargs)
         ms = (time.perf_counter() - start) * 1e3
-        stats = self.drafter.stats
         left = remaining_tokens(self.runner, running_request_ids(self.runner, len(out)))
         past = 0 if left is None else sum(max(0, len(drafts) - max(0, r - 1)) for drafts, r in zip(out, left))
         self._trace.write(json.dumps([start, ms, len(sampled_token_ids), sum(map(len, out)),
                                       stats["drafting_steps"] > looked, stats["accepted"], stats["drafted"],
-                                      stats["last_request_steps"] > last, past]) + "\n")
+                                      stats["last_request_steps"] > last, past,
+                                      stats["wave_end_off_steps"] > off]) + "\n")
         return out
 
 
@@ -69,7 +71,8 @@ def steps_of(records: list[list], before: Optional[list] = None) -> list[dict]:
     for start, ms, batch, given, looked, kept_all, verified_all, *more in records:  # older traces: fewer fields
         out.append({"engine_ms": None if end is None else (start - end) * 1e3, "propose_ms": ms, "batch": batch,
                     "drafts": given, "looked": bool(looked), "verified": verified_all - verified,
-                    "kept": kept_all - kept, "last": bool(more and more[0]), "past": more[1] if len(more) > 1 else 0})
+                    "kept": kept_all - kept, "last": bool(more and more[0]), "past": more[1] if len(more) > 1 else 0,
+                    "off": len(more) > 2 and bool(more[2])})
         end, kept, verified = start + ms / 1e3, kept_all, verified_all
     return out
 
@@ -84,7 +87,7 @@ def propose_summary(steps: list[dict]) -> dict:
             "quiet_steps": len(quiet), "quiet_ms": statistics.fmean(quiet) if quiet else 0.0,
             "drafts": sum(s["drafts"] for s in steps), "verified": sum(s["verified"] for s in steps),
             "kept": sum(s["kept"] for s in steps), "last_steps": sum(s.get("last", False) for s in steps),
-            "past": sum(s.get("past", 0) for s in steps)}
+            "past": sum(s.get("past", 0) for s in steps), "off_steps": sum(s.get("off", False) for s in steps)}
 
 
 def phases(timeline: list[tuple[float, int]]) -> dict:
@@ -158,7 +161,9 @@ def main(argv=None) -> int:
             print(f"  propose(): {s['looked_steps']} steps looked up ({s['looked_ms']:.2f} ms each), "
                   f"{s['quiet_steps']} did not ({s['quiet_ms']:.2f} ms); {s['drafts']} drafts given, "
                   f"{s['verified']} verified, {s['kept']} kept ({s['past']} past what their requests' tokens left "
-                  f"could use); {s['last_steps']} steps served for the requests the batch ends with")
+                  f"could use); {s['last_steps']} steps served for the requests the batch ends with, "
+                  f"{s['off_steps']} of them without drafting (their kind's batch ends lately saved less than they "
+                  f"spent)")
             fit = fit_steps(steps)
             if fit is not None:
                 print(f"  a decoding step of the engine: {fit[0]:.1f} ms + {fit[1]:.2f} ms a request + {fit[2]:.2f} ms "

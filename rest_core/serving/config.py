@@ -17,7 +17,8 @@
                           one; what the server learns stays in its memory and is never written back), 'session'
                           (starting empty), 'none'
     REST_LAB_STEP_COST    a step-cost file (default: the one `rest-lab calibrate-vllm` measured for this model,
-                          engine and machine)
+                          engine and machine); what drafting at batches' ends brought is kept beside it
+                          (`<name>-wave-ends.json`, serving.live.WaveEnds)
     REST_LAB_PLAIN_SAMPLING  '1' (default): a step in which no request has a draft is sampled on vLLM's plain path
                           (serving.engine.sample_plainly_without_drafts); '0': as vLLM samples it (its rejection
                           sampler, drafts or none)
@@ -52,6 +53,7 @@ from datastores.fingerprint import tokenizer_fingerprint
 from rest_base.files import write_atomic
 from rest_core.cost import CostModel
 from rest_core.serving.drafter import RestDrafter
+from rest_core.serving.live import WaveEnds
 from rest_core.serving.load import StepCost, curve_path, load_curve
 
 log = logging.getLogger("rest_core.serving")
@@ -155,6 +157,13 @@ def step_cost(engine_key: str, calibrate_with: Sequence[str] = ()) -> StepCost:
     return cost
 
 
+def wave_ends_path(engine_key: str) -> Path:
+    """Where what drafting for the requests a batch ends with brought is kept (serving.live.WaveEnds): beside the
+    step-cost table it was weighed with (REST_LAB_STEP_COST's file, else the one measured for this engine)."""
+    table = Path(os.environ.get("REST_LAB_STEP_COST") or curve_path(engine_key)).expanduser()
+    return table.with_name(f"{table.stem}-wave-ends.json")
+
+
 def _predictions(name: str, tokenizer: Any, vocab_size: Optional[int]) -> Optional[RecycleStore]:
     """The table of the model's own predictions (REST_LAB_PREDICTIONS), or None without a vocabulary size (an
     engine whose logits the proposer cannot read)."""
@@ -206,7 +215,7 @@ def open_drafter(model: str, tokenizer: Any, max_drafts: int, max_len: int, engi
              tokenizer_fingerprint(tokenizer)[:12], engine_key)
     drafter = RestDrafter({"text": text, "chat": chat}, choosers, cost, max_drafts=max_drafts, max_len=max_len,
                           chat_markers=chat_markers(tokenizer), history=history, predictions=predictions,
-                          dense=dense)
+                          dense=dense, wave_ends=WaveEnds(wave_ends_path(engine_key)))
     if report is not None:
         report.watch(drafter.stats)
     drafter.report = report

@@ -27,7 +27,9 @@ verified next.  It uses the decoder's own parts, not copies of them:
                                     it can be asked, says nothing waits; or it shrank and none joined), only
                                     in steps where every request it ends with (the most tokens still to go)
                                     can gain, and only for the requests near those (serving.load.
-                                    last_requests_gain)
+                                    last_requests_gain), and not at all for a kind of request whose batch
+                                    ends lately saved less time than their drafts spent (serving.live.
+                                    WaveEnds, settled step by step)
 
 A request's state lives exactly while the request is in the running batch: a request that finishes, is preempted
 or is left out of a step is forgotten (its output joins the history once), and one that comes back is rebuilt
@@ -46,7 +48,7 @@ import numpy as np
 from datastores import DenseStore, HistoryStore, RecycleStore, RequestStore, Store
 from rest_core.cost import CostModel
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
-from rest_core.serving.live import LiveStepCost, ProposeTime, RealizedRates, RecentChains
+from rest_core.serving.live import LiveStepCost, ProposeTime, RealizedRates, RecentChains, WaveEnds
 from rest_core.serving.load import (
     AcceptanceProfile,
     ChanceCalibration,
@@ -140,7 +142,7 @@ class RestDrafter:
                  max_drafts: int, max_len: int, chat_markers: Sequence[int] = (),
                  history: Optional[HistoryStore] = None, settings: Optional[RetrieveSettings] = None,
                  clock: Optional[Callable[[], float]] = None, predictions: Optional[RecycleStore] = None,
-                 dense: Optional[DenseStore] = None):
+                 dense: Optional[DenseStore] = None, wave_ends: Optional[WaveEnds] = None):
         self.shared, self.choosers = shared, choosers
         self.cost = cost if isinstance(cost, LiveStepCost) else LiveStepCost(cost)
         self.propose_time = ProposeTime()
@@ -161,6 +163,10 @@ class RestDrafter:
         self.calibration = {kind: ChanceCalibration(depth=max(1, max_drafts)) for kind in choosers}
         self.recent = RecentChains()  # what the newest lookups found
         self.realized = RealizedRates()  # what drafting really brought, per group of batch sizes
+        self.wave_ends = wave_ends or WaveEnds()  # ... and for the requests a batch ends with, per kind of request
+        # the last step's drafting for those requests, to be settled at the next: (remaining tokens per request
+        # id, kind, drafts given, propose()'s ms; None until step() ends)
+        self._wave_step: Optional[list] = None
         # when step() last returned, the drafts it gave, and its own time (ms)
         self._last: Optional[tuple[float, dict[str, int], float]] = None
         # drafted / accepted: drafts verified and kept; expected: the plan's chances of those drafts, summed
@@ -175,7 +181,9 @@ class RestDrafter:
                       # began with its draft, and its drafts verified and kept
                       "dense_lookups": 0, "dense_chains": 0, "dense_drafted": 0, "dense_accepted": 0,
                       # steps served for the requests the batch ends with (nothing waited to join it)
-                      "last_request_steps": 0}
+                      "last_request_steps": 0,
+                      # ... of them, those that looked nothing up as drafting for last requests lost (WaveEnds)
+                      "wave_end_off_steps": 0}
         self.report = None  # a serving.config.ProposeLog, where one is asked for: told of every step's stats
         self._running: set = set()  # the requests of the last step
         self.draining = False  # the batch has shrunk since a request last joined (`_watch_joining`)
@@ -197,6 +205,8 @@ class RestDrafter:
             self._left += 1
             if self._left % SAVE_EVERY == 0:
                 self.save_stats()
+            if self.draining or self.together:
+                self.wave_ends.save()
 
     # -- the model's own predictions -------------------------------------------------------------------------------
     def wants_predictions(self) -> bool:
@@ -329,6 +339,7 @@ class RestDrafter:
         The engine's step since the last call and this call's own time are measured on the way."""
         start = self.clock()
         self._time_engine(start, req_ids, sampled)
+        self._settle_wave_step(req_ids, remaining)
         self._watch_joining(req_ids, remaining, waiting)
         out, drafting = self._draft(req_ids, sampled, lengths, tokens, remaining)
         end = self.clock()
@@ -336,6 +347,8 @@ class RestDrafter:
         self.propose_time.add(drafting, len(req_ids), ms)
         self.stats["propose_ms"] += ms
         self.stats["drafting_propose_ms"] += ms if drafting else 0.0
+        if self._wave_step is not None and self._wave_step[-1] is None:
+            self._wave_step[-1] = ms
         if self.report is not None:
             self.report.tick(self.stats)
         self._last = (end, {rid: len(out[i]) for i, rid in enumerate(req_ids) if len(sampled[i])}, ms)
@@ -368,6 +381,7 @@ class RestDrafter:
         a longer queue is served so too."""
         running = set(req_ids)
         if running - self._running:
+            self.wave_ends.begin()
             self.draining = False
             self.together = (waiting in (0, None) and remaining is not None and len(remaining) > 1
                              and max(remaining) - min(remaining) <= self.max_drafts)
@@ -414,10 +428,16 @@ class RestDrafter:
             # still reading its prompt cannot this step, nor one with a single token to go
             last, near = ends
             decoding = {i for i, _ in rows}
+            kind = self._kind_of([state for i, state in rows if i in last])
+            if rows and self.wave_ends.losing(kind):
+                self.stats["wave_end_off_steps"] += 1
+                rows = []
             rows = [(i, state) for i, state in rows if i in near] if last <= decoding else []
         counts_of = None if ends is None else (len(ends[0]), len(ends[1]))
         if not rows or self.realized.losing(batch) or not self._drafting_pays(batch, base_ms, counts_of):
             return out, False
+        if ends is not None:  # settled at the next step, when what the drafts brought is known
+            self._wave_step = [dict(zip(req_ids, map(int, remaining))), kind, 0, None]
         self.stats["drafting_steps"] += 1
         weak_below = self._draft_bar(batch) if self.dense is not None else 0.0
         chains, raw, chances = [], [], []
@@ -433,7 +453,7 @@ class RestDrafter:
         if ends is not None:
             firsts = [c[0] if c else 0.0 for (i, _), c in zip(rows, chances) if i in ends[0]]
             if not last_requests_gain(firsts, self.cost, batch, base_ms):  # not every last one would gain
-                return out, True
+                return out, True  # the lookups are settled as spent
             base = float(len(rows))  # the near requests' tokens count in full, the others' not at all
         counts = plan_drafts(chances, self.cost, batch=batch, base_ms=base_ms,  # the lookups are made: not counted
                              base=base)
@@ -442,7 +462,41 @@ class RestDrafter:
         for (i, state), chain, chance, k in zip(rows, chains, raw, counts):
             state.chain, state.chances = (keep_nodes(chain, np.arange(1, k + 1)), chance[:k]) if k else (None, [])
             out[i] = chain.tokens[1:k + 1].tolist()
+        if ends is not None:
+            self._wave_step[2] = sum(counts)
         return out, True
+
+    @staticmethod
+    def _kind_of(states: Sequence[RequestState]) -> str:
+        """The kind most of these requests are (`text` for none)."""
+        kinds = [state.kind for state in states]
+        return max(sorted(set(kinds)), key=kinds.count) if kinds else "text"
+
+    def _settle_wave_step(self, req_ids: Sequence[str], remaining: Optional[Sequence[int]]) -> None:
+        """What the last step's drafting for the batch's last requests brought (WaveEnds), against what its drafts
+        added to the engine's step and its lookups to propose().  A plain step over B requests takes about F + c B
+        (the step cost's: c its mean slope from one request to B, F the rest), so a batch's plain steps take F per
+        step and c per step each request is in the batch: the step saved F for each step its end came sooner (the
+        most tokens still to go among the requests of both steps fell by more than one) and c for each draft kept
+        (a request in the batch a step less)."""
+        if self._wave_step is None:
+            return
+        before, kind, drafts, ms = self._wave_step
+        self._wave_step = None
+        if remaining is None or len(remaining) != len(req_ids) or ms is None:
+            return
+        now = {rid: int(r) for rid, r in zip(req_ids, remaining)}
+        both = before.keys() & now.keys()
+        if not both:
+            return
+        batch = len(before)
+        gained = max(0, max(before[rid] for rid in both) - max(now[rid] for rid in both) - 1)
+        kept = sum(max(0, before[rid] - now[rid] - 1) for rid in both)
+        plain = self.cost(batch, 0)
+        per_request = (plain - self.cost(1, 0)) / (batch - 1) if batch > 1 else 0.0
+        saved = gained * (plain - batch * per_request) + kept * per_request
+        spent = self.cost(batch, drafts) - self.cost(batch, 0) + max(0.0, ms - self.propose_time.plain_ms(batch))
+        self.wave_ends.observe(kind, saved, spent)
 
     def _drafting_pays(self, batch: int, base_ms: float, ends: Optional[tuple[int, int]] = None) -> bool:
         """serving.load.typical_pay for the recent chains at this batch size (with `ends`, how many requests the
