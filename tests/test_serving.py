@@ -947,11 +947,12 @@ def test_a_request_is_given_no_more_drafts_than_its_tokens_left_can_use(tmp_path
     assert all(step(None).values())  # the engine does not say: every request drafts again
 
 
-def serve_wave(drafter, clock: FakeTime, cost, name: str, keep: bool, steps: int = 12, left: int = 64) -> int:
-    """One batch of four requests submitted together with nothing waiting (each may produce `left` tokens),
+def serve_wave(drafter, clock: FakeTime, cost, name: str, keep: bool, steps: int = 12, left: int = 64,
+               size: int = 4) -> int:
+    """One batch of `size` requests submitted together with nothing waiting (each may produce `left` tokens),
     served `steps` steps; the engine keeps every draft (`keep`) or none of them (each request gains its one
     token, the drafts untested).  The drafts given in all."""
-    seqs = {f"{name}{i}": [CYCLE[(p + i) % len(CYCLE)] for p in range(4)] for i in range(4)}
+    seqs = {f"{name}{i}": [CYCLE[(p + i) % len(CYCLE)] for p in range(4)] for i in range(size)}
     new = {rid: seq[-1:] for rid, seq in seqs.items()}
     remaining = dict.fromkeys(seqs, left)
     given = 0
@@ -978,8 +979,9 @@ def test_a_batch_end_whose_drafts_saved_less_than_they_cost_is_next_served_witho
     """The drafts for a batch's last requests are settled step by step (the end coming a step sooner saves the
     step's fixed time, each kept draft its request's share): a batch end whose drafts were all kept saved more
     than they cost and the next batch drafts again; one whose drafts were never kept saved nothing, and the next
-    batch end of that kind of request is served without looking anything up, though the plan alone would draft
-    (the drafts were untested, so the acceptance it learns is unmoved)."""
+    batch end of that kind (its requests' kind, its size) is served without looking anything up, though the plan
+    alone would draft (the drafts were untested, so the acceptance it learns is unmoved); an end of two requests
+    is not of that kind."""
     import rest_core.serving.drafter as drafter_module
 
     clock = FakeTime()
@@ -988,13 +990,14 @@ def test_a_batch_end_whose_drafts_saved_less_than_they_cost_is_next_served_witho
     drafter = cyclic_drafter(tmp_path, cost)
     assert serve_wave(drafter, clock, cost, "a", keep) > 0
     again = serve_wave(drafter, clock, cost, "b", keep)  # its requests joining closed the first end
-    ends, saved, spent = drafter.wave_ends.totals("text")
+    ends, saved, spent = drafter.wave_ends.totals("text/4")
     assert ends == 1 and spent > 0
     if keep:
         assert saved > spent and again > 0 and drafter.stats["wave_end_off_steps"] == 0
     else:
         assert saved == 0 and again == 0 and drafter.stats["wave_end_off_steps"] == 12
-    assert drafter.wave_ends.totals("chat") == (0, 0.0, 0.0)
+    assert drafter.wave_ends.totals("chat/4") == (0, 0.0, 0.0)
+    assert serve_wave(drafter, clock, cost, "c", keep, size=2) > 0
 
 
 def test_what_batch_ends_brought_is_kept_between_runs_and_tried_again_after_a_while(tmp_path, monkeypatch):

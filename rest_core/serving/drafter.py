@@ -27,9 +27,9 @@ verified next.  It uses the decoder's own parts, not copies of them:
                                     it can be asked, says nothing waits; or it shrank and none joined), only
                                     in steps where every request it ends with (the most tokens still to go)
                                     can gain, and only for the requests near those (serving.load.
-                                    last_requests_gain), and not at all for a kind of request whose batch
-                                    ends lately saved less time than their drafts spent (serving.live.
-                                    WaveEnds, settled step by step)
+                                    last_requests_gain), and not at all where batch ends like this one (its
+                                    last requests' kind, its size) lately saved less time than their drafts
+                                    spent (serving.live.WaveEnds, settled step by step)
 
 A request's state lives exactly while the request is in the running batch: a request that finishes, is preempted
 or is left out of a step is forgotten (its output joins the history once), and one that comes back is rebuilt
@@ -48,7 +48,7 @@ import numpy as np
 from datastores import DenseStore, HistoryStore, RecycleStore, RequestStore, Store
 from rest_core.cost import CostModel
 from rest_core.retrieve import RetrieveSettings, query_suffix, retrieve
-from rest_core.serving.live import LiveStepCost, ProposeTime, RealizedRates, RecentChains, WaveEnds
+from rest_core.serving.live import LiveStepCost, ProposeTime, RealizedRates, RecentChains, WaveEnds, batch_group
 from rest_core.serving.load import (
     AcceptanceProfile,
     ChanceCalibration,
@@ -163,10 +163,11 @@ class RestDrafter:
         self.calibration = {kind: ChanceCalibration(depth=max(1, max_drafts)) for kind in choosers}
         self.recent = RecentChains()  # what the newest lookups found
         self.realized = RealizedRates()  # what drafting really brought, per group of batch sizes
-        self.wave_ends = wave_ends or WaveEnds()  # ... and for the requests a batch ends with, per kind of request
+        self.wave_ends = wave_ends or WaveEnds()  # ... and for the requests a batch ends with (`_end_key`)
         # the last step's drafting for those requests, to be settled at the next: (remaining tokens per request
-        # id, kind, drafts given, propose()'s ms; None until step() ends)
+        # id, the end's key, drafts given, propose()'s ms; None until step() ends)
         self._wave_step: Optional[list] = None
+        self._end_size: Optional[int] = None  # the batch's size when it was first served for its last requests
         # when step() last returned, the drafts it gave, and its own time (ms)
         self._last: Optional[tuple[float, dict[str, int], float]] = None
         # drafted / accepted: drafts verified and kept; expected: the plan's chances of those drafts, summed
@@ -382,6 +383,7 @@ class RestDrafter:
         running = set(req_ids)
         if running - self._running:
             self.wave_ends.begin()
+            self._end_size = None
             self.draining = False
             self.together = (waiting in (0, None) and remaining is not None and len(remaining) > 1
                              and max(remaining) - min(remaining) <= self.max_drafts)
@@ -428,8 +430,8 @@ class RestDrafter:
             # still reading its prompt cannot this step, nor one with a single token to go
             last, near = ends
             decoding = {i for i, _ in rows}
-            kind = self._kind_of([state for i, state in rows if i in last])
-            if rows and self.wave_ends.losing(kind):
+            key = self._end_key([state for i, state in rows if i in last], batch)
+            if rows and self.wave_ends.losing(key):
                 self.stats["wave_end_off_steps"] += 1
                 rows = []
             rows = [(i, state) for i, state in rows if i in near] if last <= decoding else []
@@ -437,7 +439,7 @@ class RestDrafter:
         if not rows or self.realized.losing(batch) or not self._drafting_pays(batch, base_ms, counts_of):
             return out, False
         if ends is not None:  # settled at the next step, when what the drafts brought is known
-            self._wave_step = [dict(zip(req_ids, map(int, remaining))), kind, 0, None]
+            self._wave_step = [dict(zip(req_ids, map(int, remaining))), key, 0, None]
         self.stats["drafting_steps"] += 1
         weak_below = self._draft_bar(batch) if self.dense is not None else 0.0
         chains, raw, chances = [], [], []
@@ -466,11 +468,15 @@ class RestDrafter:
             self._wave_step[2] = sum(counts)
         return out, True
 
-    @staticmethod
-    def _kind_of(states: Sequence[RequestState]) -> str:
-        """The kind most of these requests are (`text` for none)."""
+    def _end_key(self, states: Sequence[RequestState], batch: int) -> str:
+        """What a batch end is weighed with (WaveEnds): the kind most of its last requests are (`text` for none)
+        and the group of batch sizes (serving.live.batch_group) it had when first served for them this end, as
+        'chat/8': an end of 13 requests that all run to max_tokens is not one of two."""
+        if self._end_size is None:
+            self._end_size = batch
         kinds = [state.kind for state in states]
-        return max(sorted(set(kinds)), key=kinds.count) if kinds else "text"
+        kind = max(sorted(set(kinds)), key=kinds.count) if kinds else "text"
+        return f"{kind}/{batch_group(self._end_size)}"
 
     def _settle_wave_step(self, req_ids: Sequence[str], remaining: Optional[Sequence[int]]) -> None:
         """What the last step's drafting for the batch's last requests brought (WaveEnds), against what its drafts
@@ -481,7 +487,7 @@ class RestDrafter:
         (a request in the batch a step less)."""
         if self._wave_step is None:
             return
-        before, kind, drafts, ms = self._wave_step
+        before, key, drafts, ms = self._wave_step
         self._wave_step = None
         if remaining is None or len(remaining) != len(req_ids) or ms is None:
             return
@@ -496,7 +502,7 @@ class RestDrafter:
         per_request = (plain - self.cost(1, 0)) / (batch - 1) if batch > 1 else 0.0
         saved = gained * (plain - batch * per_request) + kept * per_request
         spent = self.cost(batch, drafts) - self.cost(batch, 0) + max(0.0, ms - self.propose_time.plain_ms(batch))
-        self.wave_ends.observe(kind, saved, spent)
+        self.wave_ends.observe(key, saved, spent)
 
     def _drafting_pays(self, batch: int, base_ms: float, ends: Optional[tuple[int, int]] = None) -> bool:
         """serving.load.typical_pay for the recent chains at this batch size (with `ends`, how many requests the

@@ -52,11 +52,11 @@ PROPOSE_STALE = 64  # ... drafting's forgotten this many steps after the last dr
 REALIZED_STEPS = 32  # what drafting really brought: the newest this many steps with drafts and without, per batch
 REALIZED_MIN = 8  # ... and at least this many of each before they may switch drafting off
 STALL_CAP = 3.0  # ... each step's time counted at most this many times its kind's median
-WAVE_END_KEPT = 4  # what drafting for a batch's last requests brought: the newest this many batch ends, per kind
+WAVE_END_KEPT = 4  # what drafting for a batch's last requests brought: the newest this many batch ends, per key
 WAVE_END_RETRY = 512  # ... and where it lost, it is tried again after this many steps served for last requests
 # without it (about four of the chat suite's batch-16 waves)
 WAVE_END_STEPS = 4  # ... a batch end counting once this many of its steps drafted (fewer: joined to the next)
-WAVE_END_VERSION = 1  # of the file that keeps them
+WAVE_END_VERSION = 2  # of the file that keeps them
 RECENT_CHAINS = 64  # the newest looked-up requests' chains: whether drafting would pay, asked before any lookup ...
 MIN_CHAINS = 8  # ... the hopeful prior standing in for the missing ones while fewer are known
 TYPICAL_KEPT = 8  # typical mixes of the same chains kept at once (the batch's size, its last requests' number)
@@ -311,7 +311,8 @@ class RealizedRates:
 
 class WaveEnds:
     """What drafting for the requests a batch ends with (nothing waits to join it: serving.load.last_requests_gain)
-    really brought, per kind of request: the time it saved against the time it spent, over whole batch ends.  The
+    really brought, per kind of end (`key`: its last requests' kind and its batch's size, RestDrafter._end_key):
+    the time it saved against the time it spent, over whole batch ends.  The
     throughput plan counts every kept draft in full, but at a batch's end a draft saves a whole step only when every
     last request keeps one, else only its request's share of a step; and an end's drafts are paid for in its first
     steps and pay, if at all, steps later.  In the chat suite's batch-16 waves (their last requests all run to
@@ -321,54 +322,54 @@ class WaveEnds:
 
     Each drafting step is settled at the next one (RestDrafter._settle_wave_step) into the batch end under way
     (`observe`), which `begin` closes when requests join the batch (one with fewer than WAVE_END_STEPS such steps,
-    as a batch's first steps while its prompts are read, goes on into the next).  Where a kind's newest
-    WAVE_END_KEPT ends that drafted saved less time than they spent, its next batch ends are served without that
-    drafting (`losing`, asked once a step) until WAVE_END_RETRY steps were, when it is tried again at the next end
-    and judged on that end alone.  The file at `path` keeps all this between runs of the engine (None: this run
+    as a batch's first steps while its prompts are read, goes on into the next).  Where the newest WAVE_END_KEPT
+    ends of a kind that drafted saved less time than they spent, its next ends are served without that drafting
+    (`losing`, asked once a step) until WAVE_END_RETRY steps were, when it is tried again at the next end and
+    judged on that end alone.  The file at `path` keeps all this between runs of the engine (None: this run
     only); serving.config keeps it beside the step-cost table."""
 
     def __init__(self, path: Optional[Path] = None):
         self.path = path
-        self._ends: dict[str, list[list[float]]] = {}  # kind -> the newest ends that drafted: [saved ms, spent ms]
-        self._skipped: dict[str, int] = {}  # kind -> steps served without drafting since the newest of those
-        self._now: dict[str, list[float]] = {}  # the end under way: kind -> [saved ms, spent ms, steps]
-        self._off: dict[str, int] = {}  # kinds the end under way is served without drafting for: its steps so far
+        self._ends: dict[str, list[list[float]]] = {}  # key -> the newest ends that drafted: [saved ms, spent ms]
+        self._skipped: dict[str, int] = {}  # key -> steps served without drafting since the newest of those
+        self._now: dict[str, list[float]] = {}  # the end under way: key -> [saved ms, spent ms, steps]
+        self._off: dict[str, int] = {}  # keys the end under way is served without drafting for: its steps so far
         self._written: Optional[dict] = None  # what `save` last wrote
         data = read_json(path)
         if not isinstance(data, dict) or data.get("version") != WAVE_END_VERSION:
             data = {}
         try:
-            for kind, got in data.get("kinds", {}).items():
-                self._ends[kind] = [[float(saved), float(spent)] for saved, spent in got["ends"]][-WAVE_END_KEPT:]
-                self._skipped[kind] = int(got["skipped"])
+            for key, got in data.get("keys", {}).items():
+                self._ends[key] = [[float(saved), float(spent)] for saved, spent in got["ends"]][-WAVE_END_KEPT:]
+                self._skipped[key] = int(got["skipped"])
         except (AttributeError, KeyError, TypeError, ValueError):  # a damaged file: measured again
             self._ends, self._skipped = {}, {}
 
-    def observe(self, kind: str, saved_ms: float, spent_ms: float) -> None:
-        """One drafting step for last requests of `kind`, settled."""
-        now = self._now.setdefault(kind, [0.0, 0.0, 0])
+    def observe(self, key: str, saved_ms: float, spent_ms: float) -> None:
+        """One drafting step of an end of this kind (`key`), settled."""
+        now = self._now.setdefault(key, [0.0, 0.0, 0])
         now[0] += saved_ms
         now[1] += spent_ms
         now[2] += 1
 
-    def losing(self, kind: str) -> bool:
-        """Whether the batch end under way is served without drafting for its last requests of this kind."""
-        if kind in self._off:
-            self._off[kind] += 1
+    def losing(self, key: str) -> bool:
+        """Whether the batch end under way, of this kind (`key`), is served without drafting for its last requests."""
+        if key in self._off:
+            self._off[key] += 1
             return True
-        ends = self._ends.get(kind)
-        if not ends or self._skipped.get(kind, 0) >= WAVE_END_RETRY:
+        ends = self._ends.get(key)
+        if not ends or self._skipped.get(key, 0) >= WAVE_END_RETRY:
             return False
         if sum(saved for saved, _ in ends) >= sum(spent for _, spent in ends):
             return False
-        self._off[kind] = 1
+        self._off[key] = 1
         return True
 
     def begin(self) -> None:
         """Requests joined the batch: the end under way (if any) is closed, and kept."""
         changed = bool(self._off) or any(steps >= WAVE_END_STEPS for _, _, steps in self._now.values())
         self._ends, self._skipped = self._closed()
-        self._now = {kind: now for kind, now in self._now.items() if now[2] < WAVE_END_STEPS}  # carried on
+        self._now = {key: now for key, now in self._now.items() if now[2] < WAVE_END_STEPS}  # carried on
         self._off = {}
         if changed:
             self.save()
@@ -376,27 +377,27 @@ class WaveEnds:
     def _closed(self) -> tuple[dict, dict]:
         """The ends and skipped counts as they stand with the end under way closed."""
         ends, skipped = dict(self._ends), dict(self._skipped)
-        for kind, (saved, spent, steps) in self._now.items():
+        for key, (saved, spent, steps) in self._now.items():
             if steps >= WAVE_END_STEPS:
-                retried = skipped.get(kind, 0) >= WAVE_END_RETRY
-                ends[kind] = [*([] if retried else ends.get(kind, [])), [saved, spent]][-WAVE_END_KEPT:]
-                skipped[kind] = 0
-        for kind, steps in self._off.items():
-            skipped[kind] = skipped.get(kind, 0) + steps
+                retried = skipped.get(key, 0) >= WAVE_END_RETRY
+                ends[key] = [*([] if retried else ends.get(key, [])), [saved, spent]][-WAVE_END_KEPT:]
+                skipped[key] = 0
+        for key, steps in self._off.items():
+            skipped[key] = skipped.get(key, 0) + steps
         return ends, skipped
 
     def save(self) -> None:
-        """Keep the ends in `file`, the one under way as if it closed now (a batch's last request leaves the engine
+        """Keep the ends at `path`, the one under way as if it closed now (a batch's last request leaves the engine
         unseen: the drafter hears of it at the next batch, if one comes)."""
         if self.path is None:
             return
         ends, skipped = self._closed()
-        kept = {kind: {"ends": got, "skipped": skipped.get(kind, 0)} for kind, got in ends.items()}
+        kept = {key: {"ends": got, "skipped": skipped.get(key, 0)} for key, got in ends.items()}
         if kept != self._written:
-            write_json(self.path, {"version": WAVE_END_VERSION, "kinds": kept})
+            write_json(self.path, {"version": WAVE_END_VERSION, "keys": kept})
             self._written = kept
 
-    def totals(self, kind: str) -> tuple[int, float, float]:
-        """A kind's batch ends kept, the time they saved and the time they spent (ms)."""
-        ends = self._ends.get(kind, [])
+    def totals(self, key: str) -> tuple[int, float, float]:
+        """A key's batch ends kept, the time they saved and the time they spent (ms)."""
+        ends = self._ends.get(key, [])
         return len(ends), sum(saved for saved, _ in ends), sum(spent for _, spent in ends)
