@@ -431,10 +431,10 @@ class RestDrafter:
             last, near = ends
             decoding = {i for i, _ in rows}
             key = self._end_key([state for i, state in rows if i in last], batch)
-            if rows and self.wave_ends.losing(key):
+            rows = [(i, state) for i, state in rows if i in near] if last <= decoding else []
+            if rows and self.wave_ends.losing(key):  # such ends lately spent more than they saved
                 self.stats["wave_end_off_steps"] += 1
                 rows = []
-            rows = [(i, state) for i, state in rows if i in near] if last <= decoding else []
         counts_of = None if ends is None else (len(ends[0]), len(ends[1]))
         if not rows or self.realized.losing(batch) or not self._drafting_pays(batch, base_ms, counts_of):
             return out, False

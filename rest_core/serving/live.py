@@ -308,17 +308,15 @@ class RealizedRates:
         return self.rate(batch, True) < self.rate(batch, False)
 
 
-
 class WaveEnds:
     """What drafting for the requests a batch ends with (nothing waits to join it: serving.load.last_requests_gain)
-    really brought, per kind of end (`key`: its last requests' kind and its batch's size, RestDrafter._end_key):
-    the time it saved against the time it spent, over whole batch ends.  The
-    throughput plan counts every kept draft in full, but at a batch's end a draft saves a whole step only when every
-    last request keeps one, else only its request's share of a step; and an end's drafts are paid for in its first
-    steps and pay, if at all, steps later.  In the chat suite's batch-16 waves (their last requests all run to
-    max_tokens) 37 steps drafted about 9 tokens each for 13 requests, kept half and ended the wave 7 steps sooner,
-    losing ~0.15 s; in HumanEval's, 50 steps ended it 22 steps sooner and gained ~0.1 s
-    (docs/bench/vllm-zen5-last-requests.md).
+    really brought, per kind of end (`key`: its last requests' kind and its batch's size, RestDrafter._end_key): the
+    time it saved against the time it spent, over whole batch ends.  The throughput plan counts every kept draft in
+    full, but at a batch's end a draft saves a whole step only when every last request keeps one, else only its
+    request's share of a step; and an end's drafts are paid for in its first steps and pay, if at all, steps later.  In
+    the chat suite's batch-16 waves (their last requests all run to max_tokens) 37 steps drafted about 9 tokens each for
+    13 requests, kept half and ended the wave 7 steps sooner, losing ~0.15 s; in HumanEval's, 50 steps ended it 22 steps
+    sooner and gained ~0.1 s (docs/bench/vllm-zen5-last-requests.md).
 
     Each drafting step is settled at the next one (RestDrafter._settle_wave_step) into the batch end under way
     (`observe`), which `begin` closes when requests join the batch (one with fewer than WAVE_END_STEPS such steps,
