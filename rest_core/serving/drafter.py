@@ -164,9 +164,11 @@ class RestDrafter:
         self.recent = RecentChains()  # what the newest lookups found
         self.realized = RealizedRates()  # what drafting really brought, per group of batch sizes
         self.wave_ends = wave_ends or WaveEnds()  # ... and for the requests a batch ends with (`_end_key`)
-        # the last step's drafting for those requests, to be settled at the next: (remaining tokens per request
-        # id, the end's key, drafts given, propose()'s ms; None until step() ends)
-        self._wave_step: Optional[list] = None
+        # this step's drafting for those requests: (the tokens each request may still produce, the end's key),
+        # set by `_draft`; and the last step's, to be settled at this one: the same, the drafts given and
+        # propose()'s ms (`step`)
+        self._end_drafting: Optional[tuple[dict[str, int], str]] = None
+        self._wave_step: Optional[tuple[dict[str, int], str, int, float]] = None
         self._end_size: Optional[int] = None  # the batch's size when it was first served for its last requests
         # when step() last returned, the drafts it gave, and its own time (ms)
         self._last: Optional[tuple[float, dict[str, int], float]] = None
@@ -193,8 +195,10 @@ class RestDrafter:
 
     # -- the requests ------------------------------------------------------------------------------------------
     def _forget_absent(self, running: set) -> None:
-        """Drop every request that left the batch; its output joins the history (once per request id)."""
-        for rid in [r for r in self.requests if r not in running]:
+        """Drop every request that left the batch; its output joins the history (once per request id).  At a batch's
+        end what its drafting brought so far is kept (WaveEnds.save): its last request leaves unseen."""
+        gone = [r for r in self.requests if r not in running]
+        for rid in gone:
             state = self.requests.pop(rid)
             if self.history is not None and rid not in self._ended:
                 output = state.store.tokens[state.first_output:]
@@ -206,8 +210,8 @@ class RestDrafter:
             self._left += 1
             if self._left % SAVE_EVERY == 0:
                 self.save_stats()
-            if self.draining or self.together:
-                self.wave_ends.save()
+        if gone and (self.draining or self.together):
+            self.wave_ends.save()
 
     # -- the model's own predictions -------------------------------------------------------------------------------
     def wants_predictions(self) -> bool:
@@ -348,8 +352,8 @@ class RestDrafter:
         self.propose_time.add(drafting, len(req_ids), ms)
         self.stats["propose_ms"] += ms
         self.stats["drafting_propose_ms"] += ms if drafting else 0.0
-        if self._wave_step is not None and self._wave_step[-1] is None:
-            self._wave_step[-1] = ms
+        if self._end_drafting is not None:
+            self._wave_step = (*self._end_drafting, sum(map(len, out)), ms)
         if self.report is not None:
             self.report.tick(self.stats)
         self._last = (end, {rid: len(out[i]) for i, rid in enumerate(req_ids) if len(sampled[i])}, ms)
@@ -406,6 +410,7 @@ class RestDrafter:
                tokens: np.ndarray, remaining: Optional[Sequence[int]] = None) -> tuple[list[list[int]], bool]:
         """The step's drafts, and whether the stores were looked up for them."""
         self.stats["steps"] += 1
+        self._end_drafting = None
         self._teach(req_ids, sampled, lengths, tokens)
         states, self._states = self._states, {}
         self._forget_absent(set(req_ids))
@@ -439,7 +444,7 @@ class RestDrafter:
         if not rows or self.realized.losing(batch) or not self._drafting_pays(batch, base_ms, counts_of):
             return out, False
         if ends is not None:  # settled at the next step, when what the drafts brought is known
-            self._wave_step = [dict(zip(req_ids, map(int, remaining))), key, 0, None]
+            self._end_drafting = (dict(zip(req_ids, map(int, remaining))), key)
         self.stats["drafting_steps"] += 1
         weak_below = self._draft_bar(batch) if self.dense is not None else 0.0
         chains, raw, chances = [], [], []
@@ -464,8 +469,6 @@ class RestDrafter:
         for (i, state), chain, chance, k in zip(rows, chains, raw, counts):
             state.chain, state.chances = (keep_nodes(chain, np.arange(1, k + 1)), chance[:k]) if k else (None, [])
             out[i] = chain.tokens[1:k + 1].tolist()
-        if ends is not None:
-            self._wave_step[2] = sum(counts)
         return out, True
 
     def _end_key(self, states: Sequence[RequestState], batch: int) -> str:
@@ -489,7 +492,7 @@ class RestDrafter:
             return
         before, key, drafts, ms = self._wave_step
         self._wave_step = None
-        if remaining is None or len(remaining) != len(req_ids) or ms is None:
+        if remaining is None or len(remaining) != len(req_ids):
             return
         now = {rid: int(r) for rid, r in zip(req_ids, remaining)}
         both = before.keys() & now.keys()
@@ -501,7 +504,7 @@ class RestDrafter:
         plain = self.cost(batch, 0)
         per_request = (plain - self.cost(1, 0)) / (batch - 1) if batch > 1 else 0.0
         saved = gained * (plain - batch * per_request) + kept * per_request
-        spent = self.cost(batch, drafts) - self.cost(batch, 0) + max(0.0, ms - self.propose_time.plain_ms(batch))
+        spent = self.cost(batch, drafts) - plain + max(0.0, ms - self.propose_time.plain_ms(batch))
         self.wave_ends.observe(key, saved, spent)
 
     def _drafting_pays(self, batch: int, base_ms: float, ends: Optional[tuple[int, int]] = None) -> bool:
